@@ -1,0 +1,1 @@
+"""FlexMig agents (see README)."""

@@ -1,0 +1,1 @@
+"""The lab: several libvirt/OVS "hosts" in namespaces on one machine."""

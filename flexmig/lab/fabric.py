@@ -1,0 +1,68 @@
+"""The fabric namespace: two Linux bridges joining the hosts' uplinks."""
+
+from __future__ import annotations
+
+from flexmig.lab import commands, netns, topology
+from flexmig.lab.topology import HostSpec
+
+
+def _in_fabric(*cmd: str) -> None:
+    commands.run(["ip", "netns", "exec", topology.FABRIC_NETNS, *cmd])
+
+
+def _in_host(spec: HostSpec, *cmd: str) -> None:
+    commands.run(["ip", "netns", "exec", spec.netns, *cmd])
+
+
+def _link_exists(ns: str, ifname: str) -> bool:
+    proc = commands.run(["ip", "-n", ns, "link", "show", ifname], check=False)
+    return proc.returncode == 0
+
+
+def up_fabric() -> None:
+    netns.add_netns(topology.FABRIC_NETNS)
+    for bridge in (topology.MGMT_BRIDGE, topology.TENANT_BRIDGE):
+        if not _link_exists(topology.FABRIC_NETNS, bridge):
+            _in_fabric("ip", "link", "add", bridge, "type", "bridge")
+        _in_fabric("ip", "link", "set", bridge, "up")
+    probe = f"{topology.TENANT_PROBE_IP}/{topology.TENANT_NET.prefixlen}"
+    _in_fabric("ip", "addr", "replace", probe, "dev", topology.TENANT_BRIDGE)
+
+
+def connect_host(spec: HostSpec) -> None:
+    """Give the host its management uplink (with an address) and tenant uplink."""
+    links = (
+        (spec.fabric_mgmt_if, topology.HOST_MGMT_IF, topology.MGMT_BRIDGE),
+        (spec.fabric_tenant_if, topology.HOST_TENANT_IF, topology.TENANT_BRIDGE),
+    )
+    for fabric_if, host_if, bridge in links:
+        if not _link_exists(spec.netns, host_if):
+            commands.run(
+                [
+                    "ip",
+                    "link",
+                    "add",
+                    fabric_if,
+                    "netns",
+                    topology.FABRIC_NETNS,
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    host_if,
+                    "netns",
+                    spec.netns,
+                ]
+            )
+        _in_fabric("ip", "link", "set", fabric_if, "master", bridge, "up")
+        _in_host(spec, "ip", "link", "set", host_if, "up")
+        # The OVS userspace datapath does not complete checksums that veth
+        # leaves to offload: without this, TCP across br-int stalls.
+        _in_fabric("ethtool", "-K", fabric_if, "tx", "off")
+        _in_host(spec, "ethtool", "-K", host_if, "tx", "off")
+    addr = f"{spec.mgmt_ip}/{topology.MGMT_NET.prefixlen}"
+    _in_host(spec, "ip", "addr", "replace", addr, "dev", topology.HOST_MGMT_IF)
+
+
+def down_fabric() -> None:
+    netns.delete_netns(topology.FABRIC_NETNS)

@@ -1,0 +1,191 @@
+"""One lab host: its namespace, libvirtd + virtlogd, and OVS with br-int."""
+
+from __future__ import annotations
+
+import shutil
+import uuid
+from pathlib import Path
+
+from flexmig import exceptions
+from flexmig.lab import commands, daemon_config, netns, topology
+from flexmig.lab.topology import HostSpec
+
+OVS_SCHEMA = "/usr/share/openvswitch/vswitch.ovsschema"
+DAEMON_START_TIMEOUT = 30.0
+
+# Private directories bind-mounted over the system ones inside the host.
+PRIVATE_DIRS = {
+    "/etc/libvirt": "etc-libvirt",
+    "/var/lib/libvirt": "lib-libvirt",
+    "/var/log/libvirt": "log-libvirt",
+    "/var/cache/libvirt": "cache-libvirt",
+    "/etc/openvswitch": "etc-openvswitch",
+    "/var/lib/openvswitch": "lib-openvswitch",
+    "/var/log/openvswitch": "log-openvswitch",
+}
+
+
+class LabHost:
+    def __init__(self, spec: HostSpec, lab_dir: Path) -> None:
+        self.spec = spec
+        self.dir = lab_dir / "hosts" / spec.name
+        self.ns = netns.HostNamespace(spec.netns, self.dir)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def store_dir(self) -> Path:
+        """Where file-backed guest memory lives (qemu.conf memory_backing_dir)."""
+        return self.dir / "store"
+
+    @property
+    def libvirt_socket(self) -> Path:
+        return self.ns.root_path("/run/libvirt/libvirt-sock")
+
+    @property
+    def local_uri(self) -> str:
+        """URI reaching this host's libvirtd from the machine's own namespace."""
+        return f"qemu:///system?socket={self.libvirt_socket}"
+
+    # -- bring-up ---------------------------------------------------------
+    def up(self) -> None:
+        self._prepare_dirs()
+        binds = {target: str(self.dir / sub) for target, sub in PRIVATE_DIRS.items()}
+        binds["/etc/hosts"] = str(self.dir / "hosts")
+        self.ns.start(self.spec.hostname, binds)
+        self._start_ovs()
+        self._start_libvirt()
+
+    def _prepare_dirs(self) -> None:
+        first_time = not (self.dir / "etc-libvirt").exists()
+        for sub in PRIVATE_DIRS.values():
+            (self.dir / sub).mkdir(parents=True, exist_ok=True)
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        etc = self.dir / "etc-libvirt"
+        if first_time:
+            shutil.copytree("/etc/libvirt", etc, dirs_exist_ok=True, symlinks=True)
+            # No libvirt default network (and its dnsmasq) inside lab hosts.
+            shutil.rmtree(etc / "qemu" / "networks" / "autostart", ignore_errors=True)
+            (etc / "host-uuid").write_text(str(uuid.uuid4()))
+        host_uuid = (etc / "host-uuid").read_text().strip()
+        (etc / "libvirtd.conf").write_text(daemon_config.libvirtd_conf(self.spec, host_uuid))
+        (etc / "qemu.conf").write_text(daemon_config.qemu_conf(self.spec, str(self.store_dir)))
+        (self.dir / "hosts").write_text(topology.etc_hosts())
+        for sub in ("qemu", "qemu/save", "qemu/snapshot", "qemu/dump", "qemu/ram", "images"):
+            (self.dir / "lib-libvirt" / sub).mkdir(parents=True, exist_ok=True)
+
+    def _start_ovs(self) -> None:
+        db = self.dir / "etc-openvswitch" / "conf.db"
+        if not db.exists():
+            commands.run(["ovsdb-tool", "create", str(db), OVS_SCHEMA])
+        if not self._pid_alive("/run/openvswitch/ovsdb-server.pid"):
+            self.ns.run(
+                [
+                    "ovsdb-server",
+                    "/etc/openvswitch/conf.db",
+                    "--remote=punix:/run/openvswitch/db.sock",
+                    "--pidfile=/run/openvswitch/ovsdb-server.pid",
+                    "--detach",
+                    "--log-file=/var/log/openvswitch/ovsdb-server.log",
+                ]
+            )
+            self.ns.run(["ovs-vsctl", "--timeout=10", "--no-wait", "init"])
+        if not self._pid_alive("/run/openvswitch/ovs-vswitchd.pid"):
+            self.ns.run(
+                [
+                    "ovs-vswitchd",
+                    "unix:/run/openvswitch/db.sock",
+                    "--pidfile=/run/openvswitch/ovs-vswitchd.pid",
+                    "--detach",
+                    "--log-file=/var/log/openvswitch/ovs-vswitchd.log",
+                ]
+            )
+        br = topology.INTEGRATION_BRIDGE
+        self.ovs_vsctl(
+            "--may-exist",
+            "add-br",
+            br,
+            "--",
+            "set",
+            "bridge",
+            br,
+            "datapath_type=netdev",
+            "--",
+            "--may-exist",
+            "add-port",
+            br,
+            topology.HOST_TENANT_IF,
+        )
+        self.ns.run(["ip", "link", "set", br, "up"])
+
+    def _start_libvirt(self) -> None:
+        if not self._pid_alive("/run/virtlogd.pid"):
+            self.ns.run(["virtlogd", "--daemon", "--pid-file", "/run/virtlogd.pid"])
+        if not self._pid_alive("/run/libvirtd.pid"):
+            self.ns.run(["libvirtd", "--daemon", "--listen", "--pid-file", "/run/libvirtd.pid"])
+        commands.wait_for(
+            lambda: self.libvirt_socket.exists(),
+            timeout=DAEMON_START_TIMEOUT,
+            what=f"libvirtd socket on host {self.name} (see {self.dir}/log-libvirt)",
+        )
+        commands.wait_for(
+            lambda: self.ns.run(
+                ["virsh", "-c", "qemu:///system", "version"], check=False, timeout=10
+            ).returncode
+            == 0,
+            timeout=DAEMON_START_TIMEOUT,
+            interval=0.2,
+            what=f"libvirtd on host {self.name} to answer",
+        )
+
+    def _pid_alive(self, pid_file: str) -> bool:
+        try:
+            pid = int(self.ns.root_path(pid_file).read_text())
+        except (FileNotFoundError, ValueError):
+            return False
+        return self.ns.pid_alive(pid)
+
+    # -- operations -------------------------------------------------------
+    def ovs_vsctl(self, *args: str) -> str:
+        return self.ns.run(["ovs-vsctl", "--timeout=10", *args]).stdout
+
+    def status(self) -> dict[str, object]:
+        daemons = {
+            "libvirtd": "/run/libvirtd.pid",
+            "virtlogd": "/run/virtlogd.pid",
+            "ovsdb-server": "/run/openvswitch/ovsdb-server.pid",
+            "ovs-vswitchd": "/run/openvswitch/ovs-vswitchd.pid",
+        }
+        alive = self.ns.holder_pid is not None
+        return {
+            "name": self.name,
+            "netns": self.spec.netns,
+            "hostname": self.spec.hostname,
+            "mgmt_ip": self.spec.mgmt_ip,
+            "namespace": "up" if alive else "down",
+            "daemons": {d: (alive and self._pid_alive(p)) for d, p in daemons.items()},
+        }
+
+    def down(self) -> None:
+        self.ns.destroy()
+        if self.dir.exists():
+            shutil.rmtree(self.dir)
+
+
+def check_prerequisites() -> None:
+    for tool in (
+        "ip",
+        "nsenter",
+        "unshare",
+        "libvirtd",
+        "virtlogd",
+        "ovs-vswitchd",
+        "ovsdb-server",
+        "qemu-system-x86_64",
+    ):
+        if shutil.which(tool) is None:
+            raise exceptions.MissingPrerequisite(
+                what=tool, hint="run tools/setup.sh to install the lab's packages"
+            )

@@ -1,0 +1,92 @@
+"""The lab as a whole: bring-up, status and tear-down of hosts and fabric."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from flexmig import exceptions
+from flexmig.lab import fabric, netns, recorder, topology
+from flexmig.lab.host import LabHost, check_prerequisites
+
+DEFAULT_LAB_DIR = Path("/var/lib/flexmig-lab")
+
+
+def lab_dir() -> Path:
+    return Path(os.environ.get("FLEXMIG_LAB_DIR", DEFAULT_LAB_DIR))
+
+
+class Lab:
+    def __init__(self, directory: Path | None = None) -> None:
+        self.dir = directory or lab_dir()
+        self.state_file = self.dir / "lab.json"
+
+    # -- state --------------------------------------------------------------
+    def _read_state(self) -> dict[str, object] | None:
+        try:
+            return json.loads(self.state_file.read_text())
+        except FileNotFoundError:
+            return None
+
+    def _write_state(self, state: dict[str, object]) -> None:
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.state_file)
+
+    @property
+    def specs(self) -> list[topology.HostSpec]:
+        state = self._read_state()
+        if state is None:
+            raise exceptions.LabNotUp(reason=f"no lab state in {self.dir}")
+        return topology.host_specs(int(state["hosts"]))  # type: ignore[arg-type]
+
+    def hosts(self) -> list[LabHost]:
+        return [LabHost(spec, self.dir) for spec in self.specs]
+
+    def host(self, name: str) -> LabHost:
+        return LabHost(topology.host_by_name(self.specs, name), self.dir)
+
+    # -- lifecycle ------------------------------------------------------------
+    def up(self, host_count: int = 2) -> list[LabHost]:
+        """Bring the lab up; calling it again on a running lab is a no-op check."""
+        specs = topology.host_specs(host_count)
+        check_prerequisites()
+        state = self._read_state()
+        if state is not None and int(state["hosts"]) != host_count:  # type: ignore[arg-type]
+            raise exceptions.LabError(
+                reason=(
+                    f"a lab with {state['hosts']} hosts is already up; "
+                    "run 'flexmig lab down' before changing the host count"
+                )
+            )
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._write_state({"hosts": host_count})
+        fabric.up_fabric()
+        hosts = []
+        for spec in specs:
+            netns.add_netns(spec.netns)
+            fabric.connect_host(spec)
+            host = LabHost(spec, self.dir)
+            host.up()
+            hosts.append(host)
+        return hosts
+
+    def status(self) -> dict[str, object]:
+        state = self._read_state()
+        if state is None:
+            return {
+                "up": False,
+                "hosts": [],
+                "stray_namespaces": netns.list_netns(topology.NETNS_PREFIX),
+            }
+        return {"up": True, "dir": str(self.dir), "hosts": [h.status() for h in self.hosts()]}
+
+    def down(self) -> None:
+        """Remove everything the lab made, whatever state a failed ``up`` left."""
+        recorder.stop_all(self.dir / "vms")
+        for name in netns.list_netns(topology.NETNS_PREFIX):
+            netns.delete_netns(name)
+        if self.dir.exists():
+            shutil.rmtree(self.dir)

@@ -1,0 +1,261 @@
+"""Lab VMs: create, locate, talk to, migrate (plain libvirt) and destroy."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable
+
+import libvirt
+
+from flexmig import exceptions, hypervisor
+from flexmig.lab import commands, heartbeat, image, recorder, vmspec
+from flexmig.lab.lab import Lab
+
+BOOT_TIMEOUT = 180.0
+COMMAND_TIMEOUT = 300.0
+MIGRATION_POLL = 0.5
+
+ProgressFn = Callable[[dict[str, int]], None]
+
+
+class LabVM:
+    def __init__(self, lab: Lab, name: str) -> None:
+        self.lab = lab
+        self.name = name
+        self.dir = lab.dir / "vms" / name
+
+    @property
+    def spec(self) -> vmspec.VMSpec:
+        try:
+            data = json.loads((self.dir / "vm.json").read_text())
+        except FileNotFoundError:
+            raise exceptions.InvalidInput(
+                what="VM", reason=f"no lab VM named {self.name!r}"
+            ) from None
+        data["workload"] = vmspec.Workload(**data["workload"])
+        return vmspec.VMSpec(**data)
+
+    # -- where it runs ----------------------------------------------------------
+    def locate(self) -> str | None:
+        """The host whose libvirt runs the VM, or None."""
+        for host in self.lab.hosts():
+            with hypervisor.connect(host.local_uri, host.name) as conn:
+                dom = hypervisor.find_domain(conn, self.name)
+                if dom is not None and dom.isActive():
+                    return host.name
+        return None
+
+    # -- the guest's control port -------------------------------------------------
+    def command(self, cmd: str, timeout: float = COMMAND_TIMEOUT) -> str:
+        """Run a control command in the guest and return its reply text."""
+        request_id = uuid.uuid4().hex[:8]
+        events = self.dir / "events.log"
+        fd = os.open(self.dir / "cmd.fifo", os.O_WRONLY | os.O_NONBLOCK)
+        try:
+            os.write(fd, f"{request_id} {cmd}\n".encode("ascii"))
+        finally:
+            os.close(fd)
+        marker = f" RESULT {request_id} "
+
+        def reply() -> str | None:
+            for line in events.read_text(errors="replace").splitlines():
+                if marker in line:
+                    return line.split(marker, 1)[1]
+            return None
+
+        text = commands.wait_for(
+            reply, timeout=timeout, interval=0.1, what=f"guest {self.name} to answer {cmd!r}"
+        )
+        if text.startswith("error="):
+            raise exceptions.GuestError(vm=self.name, reason=f"{cmd}: {text}")
+        return text
+
+    def verify(self) -> dict[str, int]:
+        """Run the guest's verifier: pages, ok, bad, lost, written, ms."""
+        text = self.command("verify")
+        if "VERIFY" not in text or "error=" in text:
+            raise exceptions.GuestError(vm=self.name, reason=f"verify failed: {text}")
+        fields = dict(kv.split("=", 1) for kv in text.split("VERIFY", 1)[1].split())
+        return {k: int(v) for k, v in fields.items()}
+
+    def heartbeat(self, since_ns: int = 0, until_ns: int | None = None) -> heartbeat.GapReport:
+        log = self.dir / "heartbeat.log"
+        with open(log, encoding="ascii", errors="replace") as f:
+            beats = heartbeat.parse(f)
+        return heartbeat.analyse(beats, since_ns=since_ns, until_ns=until_ns)
+
+    def wait_heartbeat(self, host: str | None = None, timeout: float = 30.0) -> None:
+        """Wait until a fresh heartbeat (from ``host``, if given) is recorded."""
+        start = time.monotonic_ns()
+
+        def fresh() -> bool:
+            report = self.heartbeat(since_ns=start)
+            return report.beats > 0 and (host is None or report.last_host == host)
+
+        commands.wait_for(
+            fresh,
+            timeout=timeout,
+            interval=0.1,
+            what=f"a heartbeat from {self.name} on {host or 'any host'}",
+        )
+
+
+def _next_index(lab: Lab) -> int:
+    counter = lab.dir / "vm-counter"
+    index = int(counter.read_text()) if counter.exists() else 0
+    counter.write_text(str(index + 1))
+    return index
+
+
+def _start_recorder(lab: Lab, vm: LabVM) -> None:
+    args = [sys.executable, "-m", "flexmig.lab.recorder", "--vm-dir", str(vm.dir)]
+    for host in lab.hosts():
+        args += ["--socket", f"{host.name}={host.ns.root_path(vm.spec.ctl_socket)}"]
+    with open(vm.dir / "recorder.log", "ab") as log:
+        proc = subprocess.Popen(
+            args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
+        )
+    (vm.dir / "recorder.pid").write_text(str(proc.pid))
+    commands.wait_for(
+        lambda: (vm.dir / "cmd.fifo").exists(), timeout=10, what=f"the recorder of {vm.name}"
+    )
+
+
+def create(
+    lab: Lab,
+    host: str,
+    ram: str = "256M",
+    vcpus: int = 1,
+    workload: str = "idle",
+    memory_backing: str = "file",
+    name: str | None = None,
+) -> LabVM:
+    """Boot a VM on ``host`` and wait until its guest reports READY."""
+    target = lab.host(host)
+    image_files = image.existing()
+    index = _next_index(lab)
+    spec = vmspec.make_spec(name or f"vm{index}", ram, vcpus, workload, memory_backing, index)
+    vm = LabVM(lab, spec.name)
+    if vm.dir.exists():
+        raise exceptions.InvalidInput(what="VM name", reason=f"{spec.name!r} already exists")
+    vm.dir.mkdir(parents=True)
+    data = {k: getattr(spec, k) for k in ("name", "ram_mib", "vcpus", "memory_backing", "index")}
+    data["workload"] = vars(spec.workload)
+    (vm.dir / "vm.json").write_text(json.dumps(data, indent=2))
+    try:
+        _start_recorder(lab, vm)
+        xml = vmspec.domain_xml(spec, str(image_files.kernel), str(image_files.initrd))
+        with hypervisor.connect(target.local_uri, target.name) as conn:
+            with hypervisor.wrap_errors(target.name, f"start {spec.name}"):
+                dom = conn.defineXML(xml)
+                dom.create()
+        commands.wait_for(
+            lambda: " READY " in (vm.dir / "events.log").read_text(),
+            timeout=BOOT_TIMEOUT,
+            interval=0.2,
+            what=f"{spec.name} to boot",
+        )
+    except BaseException:
+        destroy(lab, spec.name)
+        raise
+    return vm
+
+
+def destroy(lab: Lab, name: str) -> None:
+    """Stop and undefine the VM wherever it is, and forget it."""
+    for host in lab.hosts():
+        with hypervisor.connect(host.local_uri, host.name) as conn:
+            dom = hypervisor.find_domain(conn, name)
+            if dom is None:
+                continue
+            with hypervisor.wrap_errors(host.name, f"destroy {name}"):
+                if dom.isActive():
+                    dom.destroy()
+                dom.undefine()
+    vm_dir = lab.dir / "vms" / name
+    recorder.stop(vm_dir)
+    shutil.rmtree(vm_dir, ignore_errors=True)
+
+
+def list_vms(lab: Lab) -> list[str]:
+    vms = lab.dir / "vms"
+    return sorted(p.name for p in vms.iterdir()) if vms.exists() else []
+
+
+def migrate_plain(
+    lab: Lab,
+    name: str,
+    to: str,
+    *,
+    progress: ProgressFn | None = None,
+    bandwidth_mib: int = 0,
+    max_downtime_ms: int = 0,
+) -> dict[str, int]:
+    """Live-migrate with libvirt's own precopy (peer-to-peer), as Nova does by default.
+
+    Returns libvirt's completed-job statistics from the destination.
+    """
+    vm = LabVM(lab, name)
+    source_name = vm.locate()
+    if source_name is None:
+        raise exceptions.InvalidInput(what="VM", reason=f"{name!r} is not running")
+    dest = lab.host(to)
+    if dest.name == source_name:
+        raise exceptions.InvalidInput(what="destination", reason=f"{name} already runs on {to}")
+    source = lab.host(source_name)
+    flags = (
+        libvirt.VIR_MIGRATE_LIVE
+        | libvirt.VIR_MIGRATE_PEER2PEER
+        | libvirt.VIR_MIGRATE_PERSIST_DEST
+        | libvirt.VIR_MIGRATE_UNDEFINE_SOURCE
+    )
+    params: dict[str, object] = {libvirt.VIR_MIGRATE_PARAM_URI: dest.spec.migration_uri}
+    if bandwidth_mib:
+        params[libvirt.VIR_MIGRATE_PARAM_BANDWIDTH] = bandwidth_mib
+    with hypervisor.connect(source.local_uri, source.name) as conn:
+        dom = conn.lookupByName(name)
+        if max_downtime_ms:
+            with hypervisor.wrap_errors(source.name, "set max downtime"):
+                dom.migrateSetMaxDowntime(max_downtime_ms)
+        _run_with_progress(dom, source.name, dest.spec.libvirt_uri, params, flags, progress)
+    with hypervisor.connect(dest.local_uri, dest.name) as conn:
+        with hypervisor.wrap_errors(dest.name, "read completed migration stats"):
+            stats = conn.lookupByName(name).jobStats(libvirt.VIR_DOMAIN_JOB_STATS_COMPLETED)
+    return {k: v for k, v in stats.items() if isinstance(v, int)}
+
+
+def _run_with_progress(
+    dom: libvirt.virDomain,
+    host: str,
+    dest_uri: str,
+    params: dict[str, object],
+    flags: int,
+    progress: ProgressFn | None,
+) -> None:
+    errors: list[BaseException] = []
+
+    def migrate() -> None:
+        try:
+            with hypervisor.wrap_errors(host, f"migrate {dom.name()} to {dest_uri}"):
+                dom.migrateToURI3(dest_uri, params, flags)
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=migrate, name="migrate", daemon=True)
+    worker.start()
+    while worker.is_alive():
+        worker.join(MIGRATION_POLL)
+        if progress is not None and worker.is_alive():
+            with contextlib.suppress(libvirt.libvirtError):
+                stats = dom.jobStats()
+                progress({k: v for k, v in stats.items() if isinstance(v, int)})
+    if errors:
+        raise errors[0]

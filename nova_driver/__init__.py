@@ -1,0 +1,1 @@
+"""FlexMig nova_driver (see README)."""

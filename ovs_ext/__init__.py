@@ -1,0 +1,1 @@
+"""FlexMig ovs_ext (see README)."""

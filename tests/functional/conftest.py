@@ -1,0 +1,63 @@
+"""Functional tests: real libvirtd, QEMU and OVS in the lab's namespaces."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from flexmig import exceptions
+from flexmig.lab import image, topology
+from flexmig.lab.lab import Lab
+
+LAB_PROCESSES = r"qemu-system|ovs-vswitchd|ovsdb-server|libvirtd|virtlogd|flexmig\.lab\.recorder"
+
+
+def lab_missing_reason() -> str | None:
+    if os.geteuid() != 0:
+        return "the lab needs root (namespaces, libvirtd, OVS)"
+    for tool in ("libvirtd", "ovs-vswitchd", "qemu-system-x86_64", "tini"):
+        if shutil.which(tool) is None:
+            return f"{tool} is not installed (tools/setup.sh installs it)"
+    try:
+        image.existing()
+    except exceptions.MissingPrerequisite as exc:
+        return str(exc)
+    return None
+
+
+def leftovers(lab: Lab) -> list[str]:
+    """Everything a lab could leave behind on the machine."""
+    found = (
+        [f"netns {n}" for n in os.listdir("/run/netns") if n.startswith(topology.NETNS_PREFIX)]
+        if os.path.isdir("/run/netns")
+        else []
+    )
+    procs = subprocess.run(
+        ["pgrep", "-a", "-f", LAB_PROCESSES], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    found += [f"process {line}" for line in procs.splitlines() if "pgrep" not in line]
+    links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    found += [
+        f"link {line.split(':')[1].strip()}"
+        for line in links.splitlines()
+        if any(k in line for k in ("-mgmt", "-tenant", "phy0", "mgmt0"))
+    ]
+    if lab.dir.exists():
+        found.append(f"directory {lab.dir}")
+    return found
+
+
+@pytest.fixture(scope="module")
+def lab():
+    reason = lab_missing_reason()
+    if reason:
+        pytest.skip(reason)
+    the_lab = Lab()
+    the_lab.down()
+    the_lab.up(2)
+    yield the_lab
+    the_lab.down()
+    assert leftovers(the_lab) == []

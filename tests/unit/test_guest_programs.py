@@ -1,0 +1,97 @@
+"""The guest's dirtier and verify, built and run natively on the host.
+
+These are the same sources the initramfs is built from; here they work on a
+private directory instead of the guest's /dev/shm.
+"""
+
+import mmap
+import os
+import shutil
+import signal
+import subprocess
+import time
+
+import pytest
+
+from flexmig.lab import image
+
+PAGE = 4096
+
+
+@pytest.fixture(scope="module")
+def programs(tmp_path_factory):
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is not installed (tools/setup.sh installs it)")
+    out = tmp_path_factory.mktemp("guest-bin")
+    image._compile_programs(out)
+    return out
+
+
+@pytest.fixture
+def workset(programs, tmp_path):
+    env = dict(os.environ, FM_WORKSET_DIR=str(tmp_path))
+    dirtier = subprocess.Popen(
+        [programs / "dirtier", "4", "20000", "random"], env=env, stdout=subprocess.PIPE, text=True
+    )
+    assert "ready" in dirtier.stdout.readline()
+    yield env, tmp_path, dirtier
+    dirtier.kill()
+    dirtier.wait()
+
+
+def _verify(programs, env):
+    proc = subprocess.run(
+        [programs / "verify"], env=env, capture_output=True, text=True, timeout=30, check=False
+    )
+    fields = dict(kv.split("=") for kv in proc.stdout.split()[1:])
+    return proc.returncode, fields
+
+
+def _poke(path, offset, data):
+    with open(path, "r+b") as f, mmap.mmap(f.fileno(), 0) as m:
+        m[offset : offset + len(data)] = data
+
+
+def test_verify_passes_while_dirtier_rewrites_pages(programs, workset):
+    env, _, _ = workset
+    time.sleep(0.3)
+    rc, first = _verify(programs, env)
+    time.sleep(0.3)
+    rc2, second = _verify(programs, env)
+    assert (rc, rc2) == (0, 0)
+    assert first["pages"] == "1024" and first["bad"] == "0" and first["lost"] == "0"
+    assert int(second["written"]) > int(first["written"]) > 1024  # it really dirties
+
+
+def test_verify_counts_corrupted_and_zeroed_pages(programs, workset):
+    env, tmp, dirtier = workset
+    rc, _ = _verify(programs, env)
+    assert rc == 0
+    # A dead writer leaves the pages stable; verify must not wait for it.
+    dirtier.kill()
+    dirtier.wait()
+    _poke(tmp / "fm-workset", 3 * PAGE + 100, b"\xff")
+    _poke(tmp / "fm-workset", 7 * PAGE, bytes(PAGE))
+    rc, fields = _verify(programs, env)
+    assert rc == 1
+    assert (fields["bad"], fields["lost"]) == ("1", "1")
+
+
+def test_verify_refuses_to_race_a_writer_that_does_not_pause(programs, workset):
+    env, _, dirtier = workset
+    os.kill(dirtier.pid, signal.SIGSTOP)
+    try:
+        rc, fields = _verify(programs, env)
+    finally:
+        os.kill(dirtier.pid, signal.SIGCONT)
+    assert rc == 2
+    assert fields == {"error": "dirtier-did-not-pause"}
+
+
+def test_verify_without_a_workset_says_so(programs, tmp_path):
+    env = dict(os.environ, FM_WORKSET_DIR=str(tmp_path))
+    proc = subprocess.run(
+        [programs / "verify"], env=env, capture_output=True, text=True, check=False
+    )
+    assert proc.returncode == 2
+    assert "no-workset" in proc.stdout

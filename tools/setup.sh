@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# One idempotent setup step: Debian packages, the Python virtualenv and the
+# guest image.  Safe to run again; it only does what is missing.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+cd "$ROOT"
+
+APT_PACKAGES=(
+  qemu-system-x86 qemu-utils
+  libvirt-daemon-system libvirt-clients libvirt-dev pkg-config
+  openvswitch-switch openvswitch-common
+  busybox-static cpio kmod tini
+  clang llvm libbpf-dev bpftool libelf-dev zlib1g-dev
+  libfabric-dev libfabric-bin
+  iperf3 socat iproute2 ethtool iputils-ping util-linux
+  gcc make libc6-dev shellcheck
+  python3-venv python3-dev
+)
+
+log() { echo "setup: $*" >&2; }
+
+need_root() {
+  if [ "$(id -u)" -ne 0 ]; then
+    log "installing Debian packages needs root (run as root or with sudo)"
+    exit 1
+  fi
+}
+
+install_debian_packages() {
+  local missing=()
+  for pkg in "${APT_PACKAGES[@]}"; do
+    dpkg-query -W -f='${Status}' "$pkg" 2>/dev/null | grep -q "install ok installed" \
+      || missing+=("$pkg")
+  done
+  # The guest kernel is fetched with apt-get download: it needs package lists.
+  if [ ${#missing[@]} -eq 0 ] && compgen -G "/var/lib/apt/lists/*_Packages*" >/dev/null; then
+    return
+  fi
+  need_root
+  log "installing: ${missing[*]:-(package lists only)}"
+  # Package scripts must not start the machine's own libvirtd/OVS: every lab
+  # host runs its own daemons inside its namespaces.
+  local policy=/usr/sbin/policy-rc.d created_policy=0
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod +x "$policy" && created_policy=1
+  fi
+  apt-get update -q
+  if [ ${#missing[@]} -gt 0 ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+  fi
+  [ "$created_policy" -eq 1 ] && rm -f "$policy"
+  return 0
+}
+
+install_python() {
+  local stamp=.venv/.installed
+  local want
+  want=$(cat setup.cfg constraints.txt | sha256sum | cut -c1-16)
+  if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    return
+  fi
+  log "creating the virtualenv in .venv"
+  python3 -m venv .venv
+  .venv/bin/pip install -q -U pip setuptools wheel
+  .venv/bin/pip install -q -c constraints.txt -e ".[test]"
+  echo "$want" > "$stamp"
+}
+
+install_debian_packages
+install_python
+log "building the guest image"
+.venv/bin/flexmig lab image build >/dev/null
+log "ready"
