@@ -1,0 +1,237 @@
+"""Choosing a migration mode per VM, with the reasons in plain language.
+
+precopy   — when it is predicted to converge within the downtime budget.
+postcopy  — hybrid: precopy first, then switch, when precopy is predicted not
+            to converge (seed 001 asks for exactly this) and postcopy is
+            allowed for the VM.
+split     — when the destination lacks the free RAM for the VM: its memory
+            lands in a VM-dedicated file in the destination's store with only
+            a budget of it resident (seed 003).  Needs file-backed memory.
+Otherwise precopy with auto-converge (CPU throttling), the one way left to
+make a non-converging precopy finish.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flexmig import exceptions
+from flexmig.policy import precopy
+from flexmig.policy.dirty_model import DirtyModel
+
+MODES = ("auto", "precopy", "postcopy", "split")
+MIB = 2**20
+# QEMU's own memory besides guest RAM (device state, TCG buffers, libs);
+# it must stay resident on the destination whatever the mode.
+QEMU_OVERHEAD_BYTES = 160 * MIB
+
+
+@dataclasses.dataclass(frozen=True)
+class MigrationInputs:
+    vm: str
+    ram_bytes: int
+    resident_bytes: int  # pages ever touched (file-backed: the file's allocation)
+    dirty: DirtyModel
+    bandwidth_bps: float
+    dest_free_bytes: int  # what the destination can give VMs
+    dest_store_free_bytes: int  # free space in the destination's split store
+    file_backed: bool
+    max_downtime_ms: int = 300
+    # Why postcopy cannot be used for this VM (a passthrough device, memory in
+    # a file that userfaultfd cannot serve, policy), or None when it can.
+    postcopy_blocker: str | None = None
+    page_size: int = 4096
+    switchover_s: float = 0.05
+    round_overhead_s: float = 0.0
+
+    def transfer(self) -> precopy.Transfer:
+        return precopy.Transfer(
+            ram_pages=self.ram_bytes // self.page_size,
+            resident_pages=max(1, self.resident_bytes // self.page_size),
+            page_size=self.page_size,
+            bandwidth_bps=self.bandwidth_bps,
+            switchover_s=self.switchover_s,
+            round_overhead_s=self.round_overhead_s,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    vm: str
+    mode: str  # precopy | postcopy | split
+    transfer: str  # how pages move: precopy | postcopy (split uses either)
+    max_downtime_ms: int
+    postcopy_after_round: int | None
+    auto_converge: bool
+    memory_budget_bytes: int | None  # split: resident cap on the destination
+    prediction: precopy.Prediction
+    alternatives: dict[str, str]  # other modes: their prediction or why not
+    reasons: tuple[str, ...]
+
+    def explain(self) -> str:
+        lines = [f"{self.vm}: {self.mode.upper()}"]
+        lines += [f"  - {r}" for r in self.reasons]
+        lines.append(f"  predicted: {self.prediction.summary()}")
+        for mode, text in self.alternatives.items():
+            lines.append(f"  {mode}: {text}")
+        return "\n".join(lines)
+
+
+def _validate(inp: MigrationInputs, requested: str) -> None:
+    problems = []
+    if requested not in MODES:
+        problems.append(f"mode {requested!r} is not one of {', '.join(MODES)}")
+    if inp.ram_bytes <= 0 or inp.resident_bytes < 0 or inp.resident_bytes > inp.ram_bytes:
+        problems.append("RAM must be > 0 and resident bytes within it")
+    if inp.bandwidth_bps <= 0:
+        problems.append("bandwidth must be > 0")
+    if not 1 <= inp.max_downtime_ms <= 60_000:
+        problems.append(f"max downtime {inp.max_downtime_ms} ms not in 1..60000")
+    if problems:
+        raise exceptions.InvalidInput(what="migration inputs", reason="; ".join(problems))
+
+
+def _describe_workload(inp: MigrationInputs) -> str:
+    if inp.dirty.m_pages <= 0:
+        return "the guest dirties no measurable memory"
+    return (
+        f"the guest rewrites a set of {inp.dirty.m_pages:,.0f} pages "
+        f"(half-life {inp.dirty.tau_s:.2f} s, {inp.dirty.initial_rate():,.0f} pages/s "
+        f"at first)"
+    )
+
+
+def _split_blocker(inp: MigrationInputs) -> str | None:
+    if not inp.file_backed:
+        return (
+            "unavailable: the VM's memory is not file-backed, and libvirt cannot change "
+            "the backing during migration (enable [libvirt] file_backed_memory)"
+        )
+    if inp.dest_store_free_bytes < inp.ram_bytes:
+        return (
+            f"unavailable: the destination store has {inp.dest_store_free_bytes // MIB} MiB "
+            f"free, the VM needs {inp.ram_bytes // MIB} MiB"
+        )
+    if inp.dest_free_bytes < QEMU_OVERHEAD_BYTES + 64 * MIB:
+        return (
+            f"unavailable: the destination has {inp.dest_free_bytes // MIB} MiB free, "
+            f"below QEMU's own {QEMU_OVERHEAD_BYTES // MIB} MiB plus a minimal hot set"
+        )
+    return None
+
+
+def _fits(inp: MigrationInputs) -> bool:
+    return inp.dest_free_bytes >= inp.ram_bytes + QEMU_OVERHEAD_BYTES
+
+
+def decide(inp: MigrationInputs, requested: str = "auto") -> Decision:
+    """Pick the mode and its parameters; ``requested`` forces one (or says why not)."""
+    _validate(inp, requested)
+    xfer = inp.transfer()
+    budget_s = inp.max_downtime_ms / 1000
+    pre = precopy.simulate_precopy(inp.dirty, xfer, budget_s)
+    switch = precopy.best_switch_round(inp.dirty, xfer)
+    hybrid = precopy.simulate_hybrid(inp.dirty, xfer, switch)
+    split_blocker = _split_blocker(inp)
+    fits = _fits(inp)
+    alternatives = {
+        "precopy": pre.summary()
+        + ("" if pre.converged else f" — does not converge " f"({pre.stop_reason})"),
+        "postcopy": hybrid.summary()
+        if inp.postcopy_blocker is None
+        else f"unavailable: {inp.postcopy_blocker}",
+        "split": split_blocker or "available: destination store can hold the VM",
+    }
+    if not fits:
+        need = (inp.ram_bytes + QEMU_OVERHEAD_BYTES) // MIB
+        short = (
+            f"the destination has {inp.dest_free_bytes // MIB} MiB free for VMs, "
+            f"the VM needs {need} MiB"
+        )
+        alternatives["precopy"] = alternatives["postcopy"] = "unavailable: " + short
+    mode = _choose(inp, requested, pre, fits, split_blocker, alternatives)
+    return _parameters(inp, mode, pre, hybrid, switch, alternatives)
+
+
+def _choose(
+    inp: MigrationInputs,
+    requested: str,
+    pre: precopy.Prediction,
+    fits: bool,
+    split_blocker: str | None,
+    alternatives: dict[str, str],
+) -> str:
+    if requested != "auto":
+        blocked = alternatives[requested]
+        if blocked.startswith("unavailable"):
+            raise exceptions.InvalidInput(
+                what="mode", reason=f"{requested} for {inp.vm} is {blocked}"
+            )
+        return requested
+    if not fits:
+        if split_blocker:
+            raise exceptions.InvalidInput(
+                what="destination",
+                reason=(
+                    f"{inp.vm} cannot move there: precopy and postcopy are "
+                    f"{alternatives['precopy']}; split is {split_blocker}"
+                ),
+            )
+        return "split"
+    if pre.converged or inp.postcopy_blocker is not None:
+        return "precopy"
+    return "postcopy"
+
+
+def _parameters(
+    inp: MigrationInputs,
+    mode: str,
+    pre: precopy.Prediction,
+    hybrid: precopy.Prediction,
+    switch: int,
+    alternatives: dict[str, str],
+) -> Decision:
+    reasons = [
+        _describe_workload(inp),
+        f"the migration stream moves {inp.bandwidth_bps / MIB:,.0f} MiB/s; "
+        f"the downtime budget is {inp.max_downtime_ms} ms",
+    ]
+    can_postcopy = inp.postcopy_blocker is None
+    transfer = {"precopy": "precopy", "postcopy": "postcopy"}.get(
+        mode, "postcopy" if not pre.converged and can_postcopy else "precopy"
+    )
+    if mode == "split":
+        reasons.append(
+            f"destination has {inp.dest_free_bytes // MIB} MiB free, less than the "
+            f"VM's {inp.ram_bytes // MIB} MiB plus QEMU's own: split places the "
+            "VM's memory in its store file with only the hot set resident"
+        )
+    elif mode == "precopy" and pre.converged:
+        reasons.append(f"precopy converges in {len(pre.rounds)} round(s) within the budget")
+    elif mode == "precopy":
+        why = inp.postcopy_blocker or "precopy was requested"
+        reasons.append(
+            f"precopy does not converge ({pre.stop_reason}) and postcopy is out "
+            f"({why}): auto-converge will throttle the guest's CPUs"
+        )
+    else:
+        reasons.append(
+            f"precopy does not converge ({pre.stop_reason}); hybrid switches to "
+            f"postcopy after round {switch}"
+        )
+    prediction = hybrid if transfer == "postcopy" else pre
+    budget = None
+    if mode == "split":
+        budget = inp.dest_free_bytes - QEMU_OVERHEAD_BYTES
+    return Decision(
+        vm=inp.vm,
+        mode=mode,
+        transfer=transfer,
+        max_downtime_ms=inp.max_downtime_ms,
+        postcopy_after_round=switch if transfer == "postcopy" else None,
+        auto_converge=transfer == "precopy" and not pre.converged,
+        memory_budget_bytes=budget,
+        prediction=prediction,
+        alternatives={k: v for k, v in alternatives.items() if k != mode},
+        reasons=tuple(reasons),
+    )

@@ -1,0 +1,159 @@
+import math
+
+import pytest
+
+from flexmig import exceptions
+from flexmig.policy import dirty_model, precopy
+from flexmig.policy.decision import MigrationInputs, decide
+from flexmig.policy.dirty_model import DirtyModel
+
+MIB = 2**20
+
+
+def test_fit_recovers_a_random_writer():
+    # W pages written uniformly at random at R pages/s: M = W, tau = W ln2 / R.
+    w, r = 32768, 20000
+    samples = [(t, w * (1 - (1 - 1 / w) ** (r * t))) for t in (1, 2, 3)]
+    model = dirty_model.fit(samples)
+    assert model.m_pages == pytest.approx(w, rel=0.01)
+    assert model.tau_s == pytest.approx(w * math.log(2) / r, rel=0.01)
+
+
+def test_fit_with_noise_stays_close():
+    truth = DirtyModel(m_pages=1.0e5, tau_s=1.32)
+    noise = [1.03, 0.97, 1.02, 0.99]
+    samples = [(t, truth.pages(t) * n) for t, n in zip((0.5, 1, 2, 4), noise, strict=True)]
+    model = dirty_model.fit(samples)
+    assert model.m_pages == pytest.approx(1.0e5, rel=0.05)
+    assert model.tau_s == pytest.approx(1.32, rel=0.15)
+
+
+def test_fit_idle_and_bad_samples():
+    assert dirty_model.fit([(1, 0), (2, 0)]).m_pages == 0
+    with pytest.raises(exceptions.InvalidInput, match="two distinct interval"):
+        dirty_model.fit([(1, 10), (1, 12)])
+
+
+def test_beta_slows_dirtying():
+    model = DirtyModel(m_pages=1000, tau_s=1.0)
+    assert model.with_beta(0.5).pages(2.0) == pytest.approx(model.pages(1.0))
+
+
+def test_paper_db_workload_rounds_match_table_14():
+    """Seed 000, DB server, TCP/IP column: M=1.00e5, tau=1.32 s, beta=0.806 (the
+    sender's CPU share, table 11), 2 GB VM sent in 9.63 s, 2.5 ms per round
+    (table 13's intercept).  Paper: 62,680 / 11,424 / 2,136 dirty pages after
+    rounds 1-3, 7 transfers in all, 11.07 s, 600,963 pages sent."""
+    pages = 2 * 1024 * 256
+    xfer = precopy.Transfer(
+        ram_pages=pages,
+        resident_pages=pages,
+        page_size=4096,
+        bandwidth_bps=2048 * MIB / 9.63,
+        switchover_s=0.0,
+        round_overhead_s=2.5e-3,
+    )
+    pred = precopy.simulate_precopy(DirtyModel(1.0e5, 1.32, beta=0.806), xfer, max_downtime_s=0.0)
+    resent = [r.pages for r in pred.rounds[1:4]]
+    for ours, paper in zip(resent, (62_680, 11_424, 2_136), strict=True):
+        assert ours == pytest.approx(paper, rel=0.05)
+    assert pred.converged
+    assert len(pred.rounds) + 1 == 7  # rounds plus the final stop-and-copy
+    assert pred.total_time_s == pytest.approx(11.07, rel=0.03)
+    assert pred.total_bytes / 4096 == pytest.approx(600_963, rel=0.01)
+
+
+def test_precopy_hits_the_byte_cap_when_dirtying_outruns_the_link():
+    xfer = precopy.Transfer(
+        ram_pages=10_000,
+        resident_pages=10_000,
+        page_size=4096,
+        bandwidth_bps=1000 * 4096,
+        switchover_s=0.0,
+    )
+    pred = precopy.simulate_precopy(DirtyModel(8000, 0.1), xfer, max_downtime_s=0.1)
+    assert not pred.converged
+    assert "cap" in pred.stop_reason
+    assert pred.total_bytes <= 3 * 10_000 * 4096 + 8000 * 4096
+
+
+def _inputs(**kw):
+    base = dict(
+        vm="vm",
+        ram_bytes=512 * MIB,
+        resident_bytes=200 * MIB,
+        dirty=DirtyModel(32768, 32768 * math.log(2) / 5000),
+        bandwidth_bps=300 * MIB,
+        dest_free_bytes=4096 * MIB,
+        dest_store_free_bytes=8192 * MIB,
+        file_backed=True,
+    )
+    base.update(kw)
+    return MigrationInputs(**base)
+
+
+HOT = DirtyModel(32768, 32768 * math.log(2) / 200_000)
+
+
+def test_idle_and_moderate_choose_precopy():
+    assert decide(_inputs(dirty=dirty_model.IDLE)).mode == "precopy"
+    d = decide(_inputs())
+    assert (d.mode, d.transfer, d.auto_converge) == ("precopy", "precopy", False)
+    assert d.prediction.converged
+
+
+def test_hot_chooses_hybrid_postcopy_with_a_switch_point():
+    d = decide(_inputs(dirty=HOT))
+    assert (d.mode, d.transfer) == ("postcopy", "postcopy")
+    assert d.postcopy_after_round >= 1
+    assert d.prediction.downtime_s < decide(_inputs(dirty=HOT), "precopy").prediction.downtime_s
+    assert "does not converge" in d.explain()
+
+
+def test_hot_without_postcopy_uses_auto_converge_and_says_why():
+    d = decide(_inputs(dirty=HOT, postcopy_blocker="memory is in a file on ext4"))
+    assert (d.mode, d.auto_converge) == ("precopy", True)
+    assert "memory is in a file on ext4" in d.explain()
+
+
+def test_short_destination_chooses_split_with_a_budget():
+    d = decide(_inputs(dest_free_bytes=400 * MIB))
+    assert d.mode == "split"
+    assert 0 < d.memory_budget_bytes < 400 * MIB
+    assert "unavailable" in d.alternatives["precopy"]
+
+
+def test_short_destination_without_file_backing_is_refused_with_reasons():
+    with pytest.raises(exceptions.InvalidInput, match="not file-backed"):
+        decide(_inputs(dest_free_bytes=400 * MIB, file_backed=False))
+
+
+def test_forcing_an_unavailable_mode_is_refused():
+    with pytest.raises(exceptions.InvalidInput, match="postcopy for vm is unavailable"):
+        decide(_inputs(postcopy_blocker="a passthrough device"), "postcopy")
+    with pytest.raises(exceptions.InvalidInput, match="split .* unavailable"):
+        decide(_inputs(file_backed=False), "split")
+
+
+def test_forced_precopy_on_a_hot_vm_stays_precopy():
+    d = decide(_inputs(dirty=HOT), "precopy")
+    assert (d.mode, d.transfer, d.postcopy_after_round) == ("precopy", "precopy", None)
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(bandwidth_bps=0),
+        dict(max_downtime_ms=0),
+        dict(resident_bytes=10**12),
+        dict(ram_bytes=0),
+    ],
+)
+def test_bad_inputs_are_rejected(kw):
+    with pytest.raises(exceptions.InvalidInput, match="migration inputs"):
+        decide(_inputs(**kw))
+
+
+def test_unknown_mode_is_rejected():
+    with pytest.raises(exceptions.InvalidInput, match="mode 'fast'"):
+        decide(_inputs(), "fast")
