@@ -7,7 +7,7 @@ import json
 import sys
 import time
 
-from flexmig import exceptions
+from flexmig import exceptions, migrate_cli
 from flexmig.lab import image, vm
 from flexmig.lab.lab import Lab
 from flexmig.progress import MigrationProgress
@@ -168,6 +168,67 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_explain(args: argparse.Namespace) -> int:
+    plan = migrate_cli.explain(Lab(), args.vm, args.to, args.mode, args.max_downtime_ms)
+    print(plan["explanation"])
+    return 0
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    result = migrate_cli.migrate(Lab(), args.vm, args.to, args.mode, args.max_downtime_ms)
+    if args.json:
+        _print(result, True)
+    else:
+        _print_summary(result)
+    check = result.get("verify") or {}
+    ok = result["state"] == "completed" and check.get("bad") == 0 and check.get("lost") == 0
+    return 0 if ok else 1
+
+
+def _print_summary(result: dict[str, object]) -> None:
+    check = result.get("verify") or {}
+    rows = {
+        "result": result["state"] + (f" ({result['error']})" if result.get("error") else ""),
+        "running on": result.get("running_on"),
+        "mode": f"{result.get('mode')} (pages moved by {result.get('transfer')})",
+        "total time": f"{result.get('total_time_ms')} ms "
+        f"(predicted {result.get('predicted_total_ms')} ms)",
+        "guest-observed downtime": f"{result.get('guest_observed_downtime_ms')} ms "
+        f"(libvirt: {result.get('downtime_ms')} ms, "
+        f"predicted {result.get('predicted_downtime_ms')} ms)",
+        "bytes moved": f"{(result.get('bytes_moved') or 0) / 2**20:.1f} MiB",
+        "rounds": f"{result.get('rounds')} (predicted {result.get('predicted_rounds')})",
+        "verify": f"{check.get('bad')} bad, {check.get('lost')} lost of {check.get('pages')} "
+        "pages"
+        if check
+        else "not run (the VM is not running)",
+    }
+    for key, value in rows.items():
+        print(f"{key:>24}: {value}")
+
+
+def cmd_host_budget(args: argparse.Namespace) -> int:
+    from flexmig.lab.vmspec import parse_size_mib
+
+    Lab().set_budget(args.host, parse_size_mib(args.size, "memory budget"))
+    print(f"host {args.host.upper()}: agent offers VMs {args.size}")
+    return 0
+
+
+def _add_migration_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    for name, func, text in (
+        ("explain", cmd_explain, "the mode FlexMig would pick, and why"),
+        ("migrate", cmd_migrate, "live-migrate a VM the FlexMig way"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("vm")
+        p.add_argument("--to", required=True, help="destination host")
+        p.add_argument("--mode", default="auto", choices=("auto", "precopy", "postcopy", "split"))
+        p.add_argument("--max-downtime-ms", type=int, help="downtime budget (default: agent's)")
+        p.add_argument("--json", action="store_true")
+        p.set_defaults(func=func)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexmig", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -177,6 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--keep", action="store_true", help="leave the lab up afterwards")
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(func=cmd_demo)
+    _add_migration_parsers(sub)
     _add_lab_parser(sub)
     return parser
 
@@ -197,6 +259,11 @@ def _add_lab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         func=cmd_image_build
     )
     _add_vm_parser(lab)
+    host = lab.add_parser("host", help="lab hosts").add_subparsers(required=True)
+    budget = host.add_parser("budget", help="RAM a host's agent offers VMs")
+    budget.add_argument("host")
+    budget.add_argument("size", help="e.g. 300M, 4G")
+    budget.set_defaults(func=cmd_host_budget)
 
 
 def _add_vm_parser(lab: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

@@ -39,6 +39,13 @@ class MigrationProgress:
             self.last_line = time.monotonic()
         self.stream.flush()
 
+    def note(self, text: str) -> None:
+        """An event line, printed above the bar."""
+        if self.tty:
+            self.stream.write("\r\033[K")
+        self.stream.write(f"  * {text}\n")
+        self.stream.flush()
+
     def finish(self) -> None:
         if self.tty:
             self.stream.write("\n")

@@ -46,3 +46,31 @@ def qemu_conf(spec: HostSpec, store_dir: str) -> str:
             "",
         ]
     )
+
+
+def qemu_hook(python: str, store_dir: str) -> str:
+    """/etc/libvirt/hooks/qemu: split mode's cap on incoming QEMU processes."""
+    return "\n".join(
+        [
+            "#!/bin/sh",
+            f"export FLEXMIG_STATE_DIR=/run/flexmig FLEXMIG_STORE_DIR={store_dir}",
+            f'exec {python} -m agents.agent.libvirt_hook "$@"',
+            "",
+        ]
+    )
+
+
+def agent_conf(
+    spec: HostSpec, key_file: str, store_dir: str, unix_socket: str, memory_budget_mb: int
+) -> str:
+    return "\n".join(
+        [
+            "[agent]",
+            f"listen_address = {spec.mgmt_ip}",
+            f"key_file = {key_file}",
+            f"store_dir = {store_dir}",
+            f"unix_socket = {unix_socket}",
+            f"memory_budget_mb = {memory_budget_mb}",
+            "",
+        ]
+    )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 import uuid
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from flexmig.lab.topology import HostSpec
 
 OVS_SCHEMA = "/usr/share/openvswitch/vswitch.ovsschema"
 DAEMON_START_TIMEOUT = 30.0
+AGENT_SOCKET = "/run/flexmig/agent.sock"
 
 # Private directories bind-mounted over the system ones inside the host.
 PRIVATE_DIRS = {
@@ -50,13 +52,60 @@ class LabHost:
         return f"qemu:///system?socket={self.libvirt_socket}"
 
     # -- bring-up ---------------------------------------------------------
-    def up(self) -> None:
+    @property
+    def agent_socket(self) -> Path:
+        return self.ns.root_path(AGENT_SOCKET)
+
+    def up(self, key_file: Path, memory_budget_mb: int) -> None:
         self._prepare_dirs()
+        self.write_agent_conf(key_file, memory_budget_mb)
         binds = {target: str(self.dir / sub) for target, sub in PRIVATE_DIRS.items()}
         binds["/etc/hosts"] = str(self.dir / "hosts")
         self.ns.start(self.spec.hostname, binds)
         self._start_ovs()
         self._start_libvirt()
+        self.start_agent()
+
+    def write_agent_conf(self, key_file: Path, memory_budget_mb: int) -> None:
+        (self.dir / "agent.conf").write_text(
+            daemon_config.agent_conf(
+                self.spec,
+                key_file=str(key_file),
+                store_dir=str(self.store_dir),
+                unix_socket=AGENT_SOCKET,
+                memory_budget_mb=memory_budget_mb,
+            )
+        )
+
+    def start_agent(self) -> None:
+        if self.agent_socket.exists():
+            return
+        self.ns.spawn(
+            [
+                sys.executable,
+                "-m",
+                "agents.agent.service",
+                "--config-file",
+                str(self.dir / "agent.conf"),
+            ],
+            self.dir / "agent.log",
+        )
+        commands.wait_for(
+            lambda: self.agent_socket.exists(),
+            timeout=DAEMON_START_TIMEOUT,
+            what=f"flexmig-agent on host {self.name} (see {self.dir}/agent.log)",
+        )
+
+    def stop_agent(self) -> None:
+        self.ns.run(["pkill", "-f", "agents.agent.service"], check=False)
+        commands.wait_for(
+            lambda: not self.ns.run(
+                ["pgrep", "-f", "agents.agent.service"], check=False
+            ).stdout.strip(),
+            timeout=10,
+            what=f"flexmig-agent on {self.name} to stop",
+        )
+        self.agent_socket.unlink(missing_ok=True)
 
     def _prepare_dirs(self) -> None:
         first_time = not (self.dir / "etc-libvirt").exists()
@@ -72,6 +121,10 @@ class LabHost:
         host_uuid = (etc / "host-uuid").read_text().strip()
         (etc / "libvirtd.conf").write_text(daemon_config.libvirtd_conf(self.spec, host_uuid))
         (etc / "qemu.conf").write_text(daemon_config.qemu_conf(self.spec, str(self.store_dir)))
+        hooks = etc / "hooks"
+        hooks.mkdir(exist_ok=True)
+        (hooks / "qemu").write_text(daemon_config.qemu_hook(sys.executable, str(self.store_dir)))
+        (hooks / "qemu").chmod(0o755)
         (self.dir / "hosts").write_text(topology.etc_hosts())
         for sub in ("qemu", "qemu/save", "qemu/snapshot", "qemu/dump", "qemu/ram", "images"):
             (self.dir / "lib-libvirt" / sub).mkdir(parents=True, exist_ok=True)
@@ -159,13 +212,17 @@ class LabHost:
             "ovs-vswitchd": "/run/openvswitch/ovs-vswitchd.pid",
         }
         alive = self.ns.holder_pid is not None
+        agent = alive and self.agent_socket.exists()
         return {
             "name": self.name,
             "netns": self.spec.netns,
             "hostname": self.spec.hostname,
             "mgmt_ip": self.spec.mgmt_ip,
             "namespace": "up" if alive else "down",
-            "daemons": {d: (alive and self._pid_alive(p)) for d, p in daemons.items()},
+            "daemons": {
+                **{d: (alive and self._pid_alive(p)) for d, p in daemons.items()},
+                "flexmig-agent": agent,
+            },
         }
 
     def down(self) -> None:

@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shutil
 from pathlib import Path
 
+from agents.agent.client import AgentClient
 from flexmig import exceptions
 from flexmig.lab import fabric, netns, recorder, topology
 from flexmig.lab.host import LabHost, check_prerequisites
 
 DEFAULT_LAB_DIR = Path("/var/lib/flexmig-lab")
+DEFAULT_BUDGET_MB = 4096
+# Split mode's memory groups, made by lab hosts' libvirt hooks.
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory/flexmig")
 
 
 def lab_dir() -> Path:
@@ -49,7 +54,15 @@ class Lab:
         return LabHost(topology.host_by_name(self.specs, name), self.dir)
 
     # -- lifecycle ------------------------------------------------------------
-    def up(self, host_count: int = 2) -> list[LabHost]:
+    @property
+    def key_file(self) -> Path:
+        """The lab deployment's shared agent key."""
+        return self.dir / "agent.key"
+
+    def key(self) -> bytes:
+        return self.key_file.read_bytes().strip()
+
+    def up(self, host_count: int = 2, memory_budget_mb: int = DEFAULT_BUDGET_MB) -> list[LabHost]:
         """Bring the lab up; calling it again on a running lab is a no-op check."""
         specs = topology.host_specs(host_count)
         check_prerequisites()
@@ -62,6 +75,9 @@ class Lab:
                 )
             )
         self.dir.mkdir(parents=True, exist_ok=True)
+        if not self.key_file.exists():
+            self.key_file.write_text(secrets.token_hex(32))
+            self.key_file.chmod(0o600)
         self._write_state({"hosts": host_count})
         fabric.up_fabric()
         hosts = []
@@ -69,9 +85,24 @@ class Lab:
             netns.add_netns(spec.netns)
             fabric.connect_host(spec)
             host = LabHost(spec, self.dir)
-            host.up()
+            host.up(self.key_file, memory_budget_mb)
             hosts.append(host)
         return hosts
+
+    def set_budget(self, name: str, memory_budget_mb: int) -> None:
+        """Change how much RAM a host's agent offers VMs (restarts that agent)."""
+        if not 0 <= memory_budget_mb <= 16 * 1024 * 1024:
+            raise exceptions.InvalidInput(
+                what="memory budget", reason=f"{memory_budget_mb} MiB out of range"
+            )
+        host = self.host(name)
+        host.write_agent_conf(self.key_file, memory_budget_mb)
+        host.stop_agent()
+        host.start_agent()
+
+    def agent(self, name: str) -> AgentClient:
+        """A client for a host's agent, over its UNIX socket."""
+        return AgentClient(str(self.host(name).agent_socket), 0, self.key(), timeout=60)
 
     def status(self) -> dict[str, object]:
         state = self._read_state()
@@ -88,5 +119,17 @@ class Lab:
         recorder.stop_all(self.dir / "vms")
         for name in netns.list_netns(topology.NETNS_PREFIX):
             netns.delete_netns(name)
+        _remove_cgroups(CGROUP_ROOT)
         if self.dir.exists():
             shutil.rmtree(self.dir)
+
+
+def _remove_cgroups(root: Path) -> None:
+    """Remove the lab's (now empty) memory groups, deepest first."""
+    if not root.is_dir():
+        return
+    for group in sorted(
+        (p for p in root.rglob("*") if p.is_dir()), key=lambda p: len(p.parts), reverse=True
+    ):
+        group.rmdir()
+    root.rmdir()

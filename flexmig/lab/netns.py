@@ -94,6 +94,13 @@ def holder_script(hostname: str, binds: dict[str, str], ready_file: str) -> str:
     for target, source in sorted(binds.items()):
         lines.append(f"[ -e {shlex.quote(target)} ] || mkdir -p {shlex.quote(target)}")
         lines.append(f"mount --bind {shlex.quote(source)} {shlex.quote(target)}")
+    # The cgroup-v1 memory controller, for split mode's per-VM caps.  Without
+    # it the host still works; split then reports the controller missing.
+    lines.append(
+        "mount -t tmpfs -o mode=0755 cgroup /sys/fs/cgroup && "
+        "mkdir -p /sys/fs/cgroup/memory && "
+        "{ mount -t cgroup -o memory memory /sys/fs/cgroup/memory || true; }"
+    )
     lines.append(f"hostname {shlex.quote(hostname)}")
     lines.append(f"touch {shlex.quote(ready_file)}")
     # PID 1 of the host's PID namespace: tini reaps the daemons that

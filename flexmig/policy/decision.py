@@ -43,6 +43,7 @@ class MigrationInputs:
     page_size: int = 4096
     switchover_s: float = 0.05
     round_overhead_s: float = 0.0
+    setup_s: float = 0.0
 
     def transfer(self) -> precopy.Transfer:
         return precopy.Transfer(
@@ -52,12 +53,14 @@ class MigrationInputs:
             bandwidth_bps=self.bandwidth_bps,
             switchover_s=self.switchover_s,
             round_overhead_s=self.round_overhead_s,
+            setup_s=self.setup_s,
         )
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
     vm: str
+    ram_bytes: int
     mode: str  # precopy | postcopy | split
     transfer: str  # how pages move: precopy | postcopy (split uses either)
     max_downtime_ms: int
@@ -225,6 +228,7 @@ def _parameters(
         budget = inp.dest_free_bytes - QEMU_OVERHEAD_BYTES
     return Decision(
         vm=inp.vm,
+        ram_bytes=inp.ram_bytes,
         mode=mode,
         transfer=transfer,
         max_downtime_ms=inp.max_downtime_ms,

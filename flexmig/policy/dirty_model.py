@@ -55,18 +55,25 @@ class DirtyModel:
 IDLE = DirtyModel(m_pages=0.0, tau_s=1.0)
 
 
-def _m_for_tau(samples: Sequence[tuple[float, float]], tau: float) -> tuple[float, float]:
-    """Best M for a fixed tau (closed form: D is linear in M) and its squared error."""
+def _m_for_tau(
+    samples: Sequence[tuple[float, float]], tau: float, max_pages: float
+) -> tuple[float, float]:
+    """Best M for a fixed tau (closed form: D is linear in M) and its squared error.
+
+    M is clamped to ``max_pages``: a guest cannot dirty more distinct pages
+    than it has, however linear a short sample looks.
+    """
     gs = [1.0 - 0.5 ** (t / tau) for t, _ in samples]
     denom = sum(g * g for g in gs)
     if denom == 0:
         return 0.0, math.inf
-    m = max(0.0, sum(g * d for g, (_, d) in zip(gs, samples, strict=True)) / denom)
+    m = sum(g * d for g, (_, d) in zip(gs, samples, strict=True)) / denom
+    m = min(max(0.0, m), max_pages)
     err = sum((m * g - d) ** 2 for g, (_, d) in zip(gs, samples, strict=True))
     return m, err
 
 
-def fit(samples: Sequence[tuple[float, float]]) -> DirtyModel:
+def fit(samples: Sequence[tuple[float, float]], max_pages: float = math.inf) -> DirtyModel:
     """Least-squares fit of (M, tau) to (interval seconds, distinct pages) samples.
 
     Needs at least two distinct intervals to tell M from tau.  A log-spaced grid
@@ -86,15 +93,18 @@ def fit(samples: Sequence[tuple[float, float]]) -> DirtyModel:
         return IDLE
     log_lo, log_hi = math.log(TAU_MIN), math.log(TAU_MAX)
     grid = [math.exp(log_lo + (log_hi - log_lo) * i / _GRID) for i in range(_GRID + 1)]
-    best = min(range(len(grid)), key=lambda i: _m_for_tau(clean, grid[i])[1])
+    best = min(range(len(grid)), key=lambda i: _m_for_tau(clean, grid[i], max_pages)[1])
     lo = math.log(grid[max(best - 1, 0)])
     hi = math.log(grid[min(best + 1, _GRID)])
     ratio = (math.sqrt(5) - 1) / 2
     for _ in range(_REFINE_STEPS):
         a, b = hi - ratio * (hi - lo), lo + ratio * (hi - lo)
-        if _m_for_tau(clean, math.exp(a))[1] <= _m_for_tau(clean, math.exp(b))[1]:
+        if (
+            _m_for_tau(clean, math.exp(a), max_pages)[1]
+            <= _m_for_tau(clean, math.exp(b), max_pages)[1]
+        ):
             hi = b
         else:
             lo = a
     tau = math.exp((lo + hi) / 2)
-    return DirtyModel(m_pages=_m_for_tau(clean, tau)[0], tau_s=tau)
+    return DirtyModel(m_pages=_m_for_tau(clean, tau, max_pages)[0], tau_s=tau)

@@ -32,6 +32,8 @@ class Transfer:
     # Fixed cost of every round (the dirty-bitmap sync over all of RAM; seed
     # 000 measured 2.5 ms over TCP).
     round_overhead_s: float = 0.0
+    # Fixed cost before the first page moves (destination QEMU start, hooks).
+    setup_s: float = 0.0
 
     def seconds(self, pages: float) -> float:
         return pages * self.page_size / self.bandwidth_bps
@@ -107,7 +109,7 @@ def simulate_precopy(
         rounds=tuple(rounds),
         converged=converged,
         stop_reason=reason,
-        total_time_s=elapsed + downtime,
+        total_time_s=xfer.setup_s + elapsed + downtime,
         total_bytes=round((sent + dirty) * xfer.page_size),
         downtime_s=downtime,
         remaining_pages=round(dirty) if not converged else 0,
@@ -150,7 +152,7 @@ def simulate_hybrid(model: DirtyModel, xfer: Transfer, switch_after: int) -> Pre
         rounds=tuple(rounds),
         converged=True,
         stop_reason=f"switch to postcopy after round {switch_after}",
-        total_time_s=elapsed + xfer.switchover_s + postcopy_s,
+        total_time_s=xfer.setup_s + elapsed + xfer.switchover_s + postcopy_s,
         total_bytes=round((sent + to_send) * xfer.page_size),
         downtime_s=xfer.switchover_s,
         remaining_pages=round(to_send),

@@ -157,3 +157,11 @@ def test_bad_inputs_are_rejected(kw):
 def test_unknown_mode_is_rejected():
     with pytest.raises(exceptions.InvalidInput, match="mode 'fast'"):
         decide(_inputs(), "fast")
+
+
+def test_fit_never_exceeds_the_vms_pages():
+    # Short samples of a slow writer look linear; unbounded, M would run off.
+    samples = [(1, 4800), (2, 9600), (3, 14400)]
+    model = dirty_model.fit(samples, max_pages=131072)
+    assert model.m_pages <= 131072
+    assert model.pages(1) == pytest.approx(4800, rel=0.05)

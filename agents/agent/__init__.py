@@ -1,0 +1,1 @@
+"""flexmig-agent: the per-host daemon (control API, host facts, split store, migrations)."""

@@ -1,0 +1,147 @@
+"""The agent's control API: JSON over HTTP, every request authenticated.
+
+A request without a valid credential gets 401, a malformed one 400; neither
+changes anything.  Backend errors come back as JSON with the FlexMig message,
+never as a traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import socketserver
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from agents.agent import auth
+from flexmig import exceptions
+
+LOG = logging.getLogger("flexmig.agent.api")
+MAX_BODY = 64 * 1024
+Handler = Callable[[dict[str, Any], re.Match[str]], tuple[int, dict[str, Any]]]
+
+
+class BadRequest(exceptions.FlexMigError):
+    msg_fmt = "Bad request: %(reason)s"
+
+
+def check_fields(
+    body: dict[str, Any],
+    required: dict[str, type | tuple[type, ...]],
+    optional: dict[str, type | tuple[type, ...]] | None = None,
+) -> None:
+    """Exact-shape check: required keys with types, optional keys, nothing else."""
+    optional = optional or {}
+    unknown = set(body) - set(required) - set(optional)
+    if unknown:
+        raise BadRequest(reason=f"unknown field(s) {sorted(unknown)}")
+    for key in required:
+        if key not in body:
+            raise BadRequest(reason=f"missing field {key!r}")
+    for key, kind in {**required, **optional}.items():
+        if key in body and (
+            not isinstance(body[key], kind) or isinstance(body[key], bool) and kind is int
+        ):
+            raise BadRequest(reason=f"field {key!r} has the wrong type")
+
+
+class Router:
+    def __init__(self) -> None:
+        self.routes: list[tuple[str, re.Pattern[str], Handler]] = []
+
+    def add(self, method: str, pattern: str, handler: Handler) -> None:
+        self.routes.append((method, re.compile(f"^{pattern}$"), handler))
+
+    def dispatch(self, method: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        allowed = False
+        for m, pattern, handler in self.routes:
+            match = pattern.match(path)
+            if match and m == method:
+                return handler(body, match)
+            allowed = allowed or bool(match)
+        return (
+            (405, {"error": "method not allowed"}) if allowed else (404, {"error": "no such path"})
+        )
+
+
+class UnixHTTPServer(socketserver.ThreadingUnixStreamServer):
+    """The same API on a UNIX socket (for local tools); still authenticated."""
+
+    daemon_threads = True
+
+    def server_bind(self) -> None:
+        if os.path.exists(self.server_address):  # type: ignore[arg-type]
+            os.unlink(self.server_address)  # type: ignore[arg-type]
+        super().server_bind()
+        os.chmod(self.server_address, 0o600)  # type: ignore[arg-type]
+
+
+def make_handler(verifier: auth.Verifier, router: Router) -> type[BaseHTTPRequestHandler]:
+    class RequestHandler(BaseHTTPRequestHandler):
+        server_version = "flexmig-agent"
+
+        def log_message(self, fmt: str, *args: Any) -> None:
+            peer = self.client_address[0] if self.client_address else "unix"
+            LOG.info("%s " + fmt, peer, *args)
+
+        def _reply(self, status: int, payload: dict[str, Any] | bytes) -> None:
+            raw = isinstance(payload, bytes)
+            data = payload if raw else json.dumps(payload, default=str).encode()
+            self.send_response(status)
+            self.send_header(
+                "Content-Type", "application/octet-stream" if raw else "application/json"
+            )
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def _handle(self, method: str) -> None:
+            try:
+                length = int(self.headers.get("Content-Length") or 0)
+            except ValueError:
+                length = -1
+            if not 0 <= length <= MAX_BODY:
+                self._reply(400, {"error": f"body must be 0..{MAX_BODY} bytes"})
+                return
+            raw = self.rfile.read(length)
+            try:
+                verifier.verify(method, self.path, dict(self.headers.items()), raw)
+            except auth.AuthError as exc:
+                self._reply(401, {"error": str(exc)})
+                return
+            try:
+                body = json.loads(raw) if raw else {}
+                if not isinstance(body, dict):
+                    raise BadRequest(reason="the body must be a JSON object")
+                status, payload = router.dispatch(method, self.path, body)
+            except (ValueError, BadRequest, exceptions.InvalidInput) as exc:
+                status, payload = 400, {"error": str(exc)}
+            except exceptions.FlexMigError as exc:
+                status, payload = 500, {"error": str(exc)}
+            except Exception as exc:
+                LOG.exception("internal error on %s %s", method, self.path)
+                status, payload = 500, {"error": f"internal error: {exc!r}"}
+            self._reply(status, payload)
+
+        def do_GET(self) -> None:
+            self._handle("GET")
+
+        def do_POST(self) -> None:
+            self._handle("POST")
+
+    return RequestHandler
+
+
+def make_servers(
+    address: str, port: int, unix_socket: str | None, verifier: auth.Verifier, router: Router
+) -> list[socketserver.BaseServer]:
+    handler = make_handler(verifier, router)
+    tcp = ThreadingHTTPServer((address, port), handler)
+    tcp.daemon_threads = True
+    servers: list[socketserver.BaseServer] = [tcp]
+    if unix_socket:
+        servers.append(UnixHTTPServer(unix_socket, handler))
+    return servers

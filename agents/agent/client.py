@@ -1,0 +1,102 @@
+"""Client for the agent API: signs every request, wraps every failure."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+from typing import Any
+
+from agents.agent import auth
+from flexmig import exceptions
+
+
+class AgentError(exceptions.FlexMigError):
+    msg_fmt = "Agent %(agent)s: %(reason)s"
+
+
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(self.timeout)
+        self.sock.connect(self.path)
+
+
+class AgentClient:
+    """``address`` is an IP (with ``port``) or, with port 0, a UNIX socket path."""
+
+    def __init__(self, address: str, port: int, key: bytes, timeout: float = 10.0) -> None:
+        self.address = address
+        self.port = port
+        self.key = key
+        self.timeout = timeout
+
+    @property
+    def name(self) -> str:
+        return f"{self.address}:{self.port}" if self.port else self.address
+
+    def _connection(self, timeout: float) -> http.client.HTTPConnection:
+        if self.port == 0:
+            return _UnixHTTPConnection(self.address, timeout)
+        return http.client.HTTPConnection(self.address, self.port, timeout=timeout)
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        timeout: float | None = None,
+    ) -> dict[str, Any]:
+        data = json.dumps(body).encode() if body is not None else b""
+        headers = auth.sign(self.key, method, path, data)
+        headers["Content-Type"] = "application/json"
+        conn = self._connection(timeout or self.timeout)
+        try:
+            conn.request(method, path, body=data, headers=headers)
+            resp = conn.getresponse()
+            payload = resp.read()
+        except (OSError, http.client.HTTPException) as exc:
+            raise AgentError(agent=self.name, reason=f"{method} {path}: {exc}") from exc
+        finally:
+            conn.close()
+        try:
+            result = json.loads(payload or b"{}")
+        except ValueError:
+            raise AgentError(agent=self.name, reason=f"{method} {path}: non-JSON reply") from None
+        if resp.status >= 400:
+            raise AgentError(
+                agent=self.name, reason=f"{method} {path}: {resp.status} {result.get('error')}"
+            )
+        return result
+
+    def probe_bandwidth(self, mib: int) -> float:
+        """Bytes/s pulling ``mib`` MiB from the agent: the fabric's measured rate."""
+        path = f"/v1/probe/{mib}"
+        headers = auth.sign(self.key, "GET", path, b"")
+        conn = self._connection(self.timeout)
+        try:
+            start = time.monotonic()
+            conn.request("GET", path, headers=headers)
+            resp = conn.getresponse()
+            size = 0
+            while chunk := resp.read(1 << 20):
+                size += len(chunk)
+            elapsed = time.monotonic() - start
+        except (OSError, http.client.HTTPException) as exc:
+            raise AgentError(agent=self.name, reason=f"bandwidth probe: {exc}") from exc
+        finally:
+            conn.close()
+        if resp.status != 200 or size != mib << 20:
+            raise AgentError(agent=self.name, reason=f"bandwidth probe: status {resp.status}")
+        return size / elapsed
+
+    def get(self, path: str, **kw: Any) -> dict[str, Any]:
+        return self.request("GET", path, **kw)
+
+    def post(self, path: str, body: dict[str, Any], **kw: Any) -> dict[str, Any]:
+        return self.request("POST", path, body, **kw)

@@ -1,0 +1,103 @@
+"""flexmig-agent options (oslo.config), each with help, type, bounds and default."""
+
+from __future__ import annotations
+
+from oslo_config import cfg
+
+agent_opts = [
+    cfg.IPOpt(
+        "listen_address",
+        required=True,
+        help="Address the control API listens on: the host's management address. "
+        "The agent never listens on all addresses.",
+    ),
+    cfg.PortOpt("port", default=9797, help="TCP port of the control API."),
+    cfg.StrOpt(
+        "unix_socket",
+        help="Also serve the API on this UNIX socket (mode 0600), for tools on the "
+        "same host. Requests on it are authenticated like any other.",
+    ),
+    cfg.StrOpt(
+        "key_file",
+        required=True,
+        help="File holding the deployment's shared key (at least 16 bytes) that "
+        "signs every request between agents, the CLI and the Nova driver.",
+    ),
+    cfg.StrOpt("libvirt_uri", default="qemu:///system", help="This host's libvirt."),
+    cfg.IntOpt(
+        "memory_budget_mb",
+        default=0,
+        min=0,
+        max=16 * 1024 * 1024,
+        help="RAM this host gives VMs, in MiB; the free budget reported to "
+        "migration sources is this minus the RAM of running VMs. 0 means "
+        "the host's MemAvailable.",
+    ),
+    cfg.StrOpt(
+        "store_dir",
+        required=True,
+        help="Split store: where VM memory files live (qemu.conf memory_backing_dir).",
+    ),
+    cfg.StrOpt(
+        "state_dir",
+        default="/run/flexmig",
+        help="Where split reservations for the libvirt hook are kept.",
+    ),
+    cfg.FloatOpt(
+        "stall_timeout",
+        default=15.0,
+        min=1.0,
+        max=600.0,
+        help="Seconds without migration progress before a precopy is aborted "
+        "(the VM keeps running on the source) or a postcopy paused for "
+        "recovery.",
+    ),
+    cfg.FloatOpt(
+        "recovery_timeout",
+        default=300.0,
+        min=5.0,
+        max=86400.0,
+        help="Seconds a broken postcopy keeps trying to resume.",
+    ),
+    cfg.IntOpt(
+        "initial_stream_bandwidth_mib",
+        default=256,
+        min=1,
+        max=1_000_000,
+        help="Migration stream bandwidth (MiB/s) assumed towards a destination "
+        "before any migration to it has been measured.",
+    ),
+    cfg.IntOpt(
+        "max_downtime_ms",
+        default=300,
+        min=1,
+        max=60000,
+        help="Downtime budget the policy plans migrations for.",
+    ),
+    cfg.ListOpt(
+        "dirty_sample_seconds",
+        default=["1", "2", "3"],
+        help="Lengths (s) of the dirty-rate samples the model is fitted to; at "
+        "least two distinct values.",
+    ),
+]
+
+CONF = cfg.ConfigOpts()
+CONF.register_opts(agent_opts, group="agent")
+
+
+def list_opts() -> list[tuple[str, list[cfg.Opt]]]:
+    """For oslo-config-generator."""
+    return [("agent", agent_opts)]
+
+
+def sample_seconds(conf: cfg.ConfigOpts) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in conf.agent.dirty_sample_seconds)
+    except ValueError:
+        values = ()
+    if len(set(values)) < 2 or any(not 1 <= v <= 30 for v in values):
+        raise cfg.ConfigFileValueError(
+            "[agent] dirty_sample_seconds needs at least two distinct values in 1..30"
+        )
+    return values

@@ -1,0 +1,289 @@
+"""Migrations run by the source host's agent: plan, prepare, execute, report.
+
+The agent gathers the policy's inputs (the VM's memory facts and dirty-rate
+samples here, the destination's facts from its agent), lets
+``flexmig.policy`` decide, prepares the destination (split), runs the mode's
+job and keeps progress and events for whoever polls.  On any failure the
+destination is cleaned up and the VM is left running on the source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+import uuid
+from typing import Any
+
+from stevedore import driver
+
+from agents.agent.client import AgentClient
+from flexmig import exceptions, hypervisor, vm_facts
+from flexmig.modes.base import MigrationMode
+from flexmig.modes.job import JobConfig, MigrationJob
+from flexmig.policy import dirty_model
+from flexmig.policy.decision import Decision, MigrationInputs, decide
+
+EWMA_WEIGHT = 0.5
+MAX_EVENTS = 200
+PROBE_MIB = 64
+PROBE_MAX_AGE_S = 600.0
+
+
+@dataclasses.dataclass
+class LinkEstimate:
+    """What the agent has measured about migrating to one destination."""
+
+    fabric_bps: float = 0.0  # raw path, by probe
+    fabric_measured_at: float = 0.0
+    stream_bps: float | None = None  # QEMU's migration stream (memory_bps), learned
+    setup_s: float = 0.0  # job start until the first page moves
+    switchover_s: float = 0.05
+
+    def learn(self, stats: dict[str, int]) -> None:
+        bps, elapsed_ms = stats.get("memory_bps", 0), stats.get("time_elapsed", 0)
+        if bps <= 0 or elapsed_ms <= 0:
+            return
+        downtime_s = stats.get("downtime", 0) / 1000
+        transfer_s = stats.get("memory_processed", 0) / bps
+        setup = max(0.0, elapsed_ms / 1000 - transfer_s - downtime_s)
+        if self.stream_bps is None:
+            self.stream_bps, self.setup_s, self.switchover_s = bps, setup, downtime_s
+            return
+        self.stream_bps += EWMA_WEIGHT * (bps - self.stream_bps)
+        self.setup_s += EWMA_WEIGHT * (setup - self.setup_s)
+        self.switchover_s += EWMA_WEIGHT * (downtime_s - self.switchover_s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Destination:
+    agent: AgentClient
+    libvirt_uri: str
+    migration_uri: str
+
+
+def load_mode(name: str) -> MigrationMode:
+    try:
+        return driver.DriverManager("flexmig.modes", name, invoke_on_load=True).driver
+    except Exception as exc:
+        raise exceptions.InvalidInput(what="migration mode", reason=f"{name}: {exc}") from exc
+
+
+@dataclasses.dataclass
+class MigrationRecord:
+    id: str
+    vm: str
+    dest: str
+    requested_mode: str
+    state: str = "planning"
+    decision: Decision | None = None
+    progress: dict[str, int] = dataclasses.field(default_factory=dict)
+    phase: str = "planning"
+    events: list[tuple[float, str]] = dataclasses.field(default_factory=list)
+    summary: dict[str, Any] = dataclasses.field(default_factory=dict)
+    error: str | None = None
+    started: float = dataclasses.field(default_factory=time.time)
+
+    def event(self, text: str) -> None:
+        self.events.append((time.time(), text))
+        del self.events[:-MAX_EVENTS]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "vm": self.vm,
+            "dest": self.dest,
+            "state": self.state,
+            "phase": self.phase,
+            "requested_mode": self.requested_mode,
+            "mode": self.decision.mode if self.decision else None,
+            "explanation": self.decision.explain() if self.decision else None,
+            "progress": self.progress,
+            "events": self.events,
+            "summary": self.summary,
+            "error": self.error,
+        }
+
+
+class MigrationService:
+    def __init__(self, host: str, conf: Any, sample_seconds: tuple[int, ...]) -> None:
+        self.host = host
+        self.conf = conf
+        self.sample_seconds = sample_seconds
+        self.records: dict[str, MigrationRecord] = {}
+        self.links: dict[str, LinkEstimate] = {}
+        self.lock = threading.Lock()
+
+    # -- planning -------------------------------------------------------------
+    def plan(
+        self, vm: str, dest: Destination, mode: str = "auto", max_downtime_ms: int | None = None
+    ) -> Decision:
+        with hypervisor.connect(self.conf.agent.libvirt_uri, self.host) as conn:
+            dom = hypervisor.find_domain(conn, vm)
+            if dom is None or not dom.isActive():
+                raise exceptions.InvalidInput(what="VM", reason=f"{vm!r} is not running here")
+            mem = vm_facts.memory_facts(dom, self.host)
+            samples = vm_facts.sample_dirty_pages(conn, dom, self.host, self.sample_seconds)
+        facts = dest.agent.get("/v1/facts")
+        link = self.link(dest)
+        initial = self.conf.agent.initial_stream_bandwidth_mib * 2**20
+        bandwidth = link.stream_bps or min(initial, link.fabric_bps)
+        inputs = MigrationInputs(
+            vm=vm,
+            ram_bytes=mem.ram_bytes,
+            resident_bytes=mem.resident_bytes,
+            dirty=dirty_model.fit(samples, max_pages=mem.ram_bytes / vm_facts.PAGE),
+            bandwidth_bps=bandwidth,
+            dest_free_bytes=int(facts["free_for_vms_bytes"]),
+            dest_store_free_bytes=int(facts["store_free_bytes"]),
+            file_backed=mem.file_backed,
+            max_downtime_ms=max_downtime_ms or self.conf.agent.max_downtime_ms,
+            postcopy_blocker=mem.postcopy_blocker,
+            setup_s=link.setup_s,
+            switchover_s=link.switchover_s,
+        )
+        return decide(inputs, mode)
+
+    def link(self, dest: Destination) -> LinkEstimate:
+        """This host's estimate for ``dest``, with a fabric probe no older than 10 min."""
+        link = self.links.setdefault(dest.agent.address, LinkEstimate())
+        if time.time() - link.fabric_measured_at > PROBE_MAX_AGE_S:
+            link.fabric_bps = dest.agent.probe_bandwidth(PROBE_MIB)
+            link.fabric_measured_at = time.time()
+        return link
+
+    # -- execution ------------------------------------------------------------
+    def start(
+        self, vm: str, dest: Destination, mode: str = "auto", max_downtime_ms: int | None = None
+    ) -> MigrationRecord:
+        record = MigrationRecord(
+            id=uuid.uuid4().hex[:12], vm=vm, dest=dest.agent.address, requested_mode=mode
+        )
+        with self.lock:
+            if any(
+                r.vm == vm and r.state in ("planning", "running") for r in self.records.values()
+            ):
+                raise exceptions.InvalidInput(what="VM", reason=f"{vm} is already migrating")
+            self.records[record.id] = record
+        threading.Thread(
+            target=self._run,
+            args=(record, dest, max_downtime_ms),
+            name=f"migration-{record.id}",
+            daemon=True,
+        ).start()
+        return record
+
+    def _run(self, record: MigrationRecord, dest: Destination, max_downtime_ms: int | None) -> None:
+        try:
+            record.event("sampling the dirty rate and asking the destination for its facts")
+            record.decision = self.plan(record.vm, dest, record.requested_mode, max_downtime_ms)
+            record.event(f"decided: {record.decision.mode}")
+            record.state = "running"
+            self._execute(record, dest)
+        except exceptions.FlexMigError as exc:
+            record.state, record.error = "failed", str(exc)
+            record.event(f"failed: {exc}")
+        except Exception as exc:  # noqa: BLE001 - a thread must report, never vanish
+            record.state, record.error = "failed", f"internal error: {exc!r}"
+            record.event(record.error)
+
+    def _execute(self, record: MigrationRecord, dest: Destination) -> None:
+        decision = record.decision
+        assert decision is not None
+        if decision.mode == "split":
+            dest.agent.post(
+                "/v1/split/prepare",
+                {
+                    "vm": record.vm,
+                    "ram_bytes": decision.ram_bytes,
+                    "budget_bytes": decision.memory_budget_bytes,
+                },
+            )
+            record.event(
+                f"destination reserved a {decision.memory_budget_bytes >> 20} MiB "
+                "resident budget"
+            )
+        config = JobConfig(
+            dest_libvirt_uri=dest.libvirt_uri,
+            migration_uri=dest.migration_uri,
+            stall_timeout_s=self.conf.agent.stall_timeout,
+            recovery_timeout_s=self.conf.agent.recovery_timeout,
+        )
+
+        def progress(phase: str, stats: dict[str, int]) -> None:
+            record.phase, record.progress = phase, stats
+
+        def dest_alive() -> bool:
+            try:
+                dest.agent.get("/v1/health", timeout=2.0)
+                return True
+            except exceptions.FlexMigError:
+                return False
+
+        with hypervisor.connect(self.conf.agent.libvirt_uri, self.host) as conn:
+            dom = conn.lookupByName(record.vm)
+            job = MigrationJob(
+                dom,
+                self.host,
+                decision,
+                load_mode(decision.mode),
+                config,
+                on_progress=progress,
+                on_event=record.event,
+                peer_alive=dest_alive,
+            )
+            result = job.run()
+        if result.state != "completed":
+            if decision.mode == "split" and not result.switched_to_postcopy:
+                _quietly(lambda: dest.agent.post("/v1/split/cleanup", {"vm": record.vm}))
+            record.state, record.error = "failed", result.error
+            record.event(f"failed: {result.error}; the VM runs on {self.host}")
+            return
+        record.summary = self._summary(record, dest, result)
+        record.state = "completed"
+        record.event("completed")
+
+    def _summary(self, record: MigrationRecord, dest: Destination, result: Any) -> dict[str, Any]:
+        stats = dict(result.last_stats)
+        with hypervisor.connect(dest.libvirt_uri, dest.agent.address) as conn:
+            with hypervisor.wrap_errors(dest.agent.address, "read completed job statistics"):
+                done = conn.lookupByName(record.vm).jobStats(
+                    hypervisor.libvirt.VIR_DOMAIN_JOB_STATS_COMPLETED
+                )
+        stats.update({k: v for k, v in done.items() if isinstance(v, int)})
+        elapsed_ms = stats.get("time_elapsed", int(result.elapsed_s * 1000))
+        moved = stats.get("memory_processed", 0)
+        if not result.switched_to_postcopy:
+            self.link(dest).learn(stats)
+        pred = record.decision.prediction if record.decision else None
+        return {
+            "mode": record.decision.mode if record.decision else None,
+            "transfer": record.decision.transfer if record.decision else None,
+            "total_time_ms": elapsed_ms,
+            "downtime_ms": stats.get("downtime"),
+            # libvirt's memory_iteration counts dirty-bitmap syncs, one of which
+            # happens before the first round.
+            "bytes_moved": moved,
+            "rounds": max(0, stats.get("memory_iteration", 1) - 1),
+            "switched_to_postcopy": result.switched_to_postcopy,
+            "recovered": result.recovered,
+            "predicted_total_ms": round(pred.total_time_s * 1000) if pred else None,
+            "predicted_downtime_ms": round(pred.downtime_s * 1000) if pred else None,
+            "predicted_rounds": len(pred.rounds) if pred else None,
+            "libvirt_stats": stats,
+        }
+
+    def get(self, migration_id: str) -> MigrationRecord:
+        try:
+            return self.records[migration_id]
+        except KeyError:
+            raise exceptions.InvalidInput(
+                what="migration", reason=f"no migration {migration_id!r}"
+            ) from None
+
+
+def _quietly(fn: Any) -> None:
+    try:
+        fn()
+    except exceptions.FlexMigError:
+        pass

@@ -1,0 +1,185 @@
+"""flexmig-agent: wiring of config, API routes, split store and migrations."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+import socket
+import sys
+import threading
+from typing import Any
+
+from oslo_config import cfg
+
+from agents.agent import api, auth, config, facts
+from agents.agent.client import AgentClient
+from agents.agent.migrations import Destination, MigrationService
+from agents.agent.split_store import ChunkFlusher, SplitStore
+from flexmig import exceptions
+
+LOG = logging.getLogger("flexmig.agent")
+DEST_FIELDS = {"address": str, "port": int, "libvirt_uri": str, "migration_uri": str}
+MIGRATE_FIELDS = {"vm": str, "dest": dict}
+MIGRATE_OPTIONAL = {"mode": str, "max_downtime_ms": int}
+MAX_PROBE_MIB = 256
+
+
+class Agent:
+    def __init__(self, conf: cfg.ConfigOpts) -> None:
+        self.conf = conf
+        self.host = socket.gethostname()
+        self.key = auth.load_key(conf.agent.key_file)
+        self.store = SplitStore(conf.agent.state_dir, conf.agent.store_dir)
+        self.migrations = MigrationService(self.host, conf, config.sample_seconds(conf))
+        self.flush_stops: dict[str, threading.Event] = {}
+        self.router = api.Router()
+        r = self.router
+        r.add("GET", "/v1/health", lambda b, m: (200, {"ok": True, "host": self.host}))
+        r.add("GET", "/v1/facts", self.get_facts)
+        r.add("GET", r"/v1/probe/(?P<mib>[0-9]{1,3})", self.probe)
+        r.add("POST", "/v1/split/prepare", self.split_prepare)
+        r.add("POST", "/v1/split/cleanup", self.split_cleanup)
+        r.add("GET", r"/v1/split/(?P<vm>[^/]+)", self.split_status)
+        r.add("POST", "/v1/plan", self.plan)
+        r.add("POST", "/v1/migrations", self.migrate)
+        r.add("GET", r"/v1/migrations/(?P<id>[0-9a-f]+)", self.migration_status)
+        r.add(
+            "GET",
+            "/v1/migrations",
+            lambda b, m: (
+                200,
+                {"migrations": [rec.as_dict() for rec in self.migrations.records.values()]},
+            ),
+        )
+
+    def get_facts(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {})
+        return 200, facts.host_facts(
+            self.host,
+            self.conf.agent.libvirt_uri,
+            self.conf.agent.memory_budget_mb,
+            self.conf.agent.store_dir,
+            {peer: dataclasses.asdict(link) for peer, link in self.migrations.links.items()},
+        )
+
+    def probe(self, body: dict[str, Any], m: re.Match[str]) -> tuple[int, bytes]:
+        api.check_fields(body, {})
+        mib = int(m.group("mib"))
+        if not 1 <= mib <= MAX_PROBE_MIB:
+            raise api.BadRequest(reason=f"probe size must be 1..{MAX_PROBE_MIB} MiB")
+        return 200, bytes(mib << 20)
+
+    def split_prepare(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {"vm": str, "ram_bytes": int, "budget_bytes": int})
+        result = self.store.prepare(body["vm"], body["ram_bytes"], body["budget_bytes"])
+        self._start_flusher(body["vm"])
+        return 200, result
+
+    def _start_flusher(self, vm: str) -> None:
+        """Flush the VM's memory file in 1 MiB ranges once the incoming QEMU made it."""
+        stop = threading.Event()
+        old = self.flush_stops.pop(vm, None)
+        if old:
+            old.set()
+        self.flush_stops[vm] = stop
+
+        def wait_and_flush() -> None:
+            path = None
+            while path is None and not stop.wait(0.05):
+                path = self.store.memory_file(vm)
+            if path:
+                ChunkFlusher(path, stop).run()
+
+        threading.Thread(target=wait_and_flush, name=f"flush-wait-{vm}", daemon=True).start()
+
+    def split_cleanup(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {"vm": str})
+        stop = self.flush_stops.pop(body["vm"], None)
+        if stop:
+            stop.set()
+        self.store.cleanup(body["vm"])
+        return 200, {"vm": body["vm"], "cleaned": True}
+
+    def split_status(self, body: dict[str, Any], m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {})
+        vm = m.group("vm")
+        return 200, {
+            "vm": vm,
+            "reservation": self.store.reservation(vm),
+            "cgroup": self.store.usage(vm),
+        }
+
+    def _destination(self, body: dict[str, Any]) -> Destination:
+        api.check_fields(body, DEST_FIELDS)
+        client = AgentClient(body["address"], body["port"], self.key)
+        return Destination(
+            agent=client, libvirt_uri=body["libvirt_uri"], migration_uri=body["migration_uri"]
+        )
+
+    def plan(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, MIGRATE_FIELDS, MIGRATE_OPTIONAL)
+        dest = self._destination(body["dest"])
+        decision = self.migrations.plan(
+            body["vm"], dest, body.get("mode", "auto"), body.get("max_downtime_ms")
+        )
+        link = self.migrations.link(dest)
+        learned = (
+            f"learned from earlier migrations: stream {link.stream_bps / 2**20:.0f} "
+            f"MiB/s, setup {link.setup_s:.2f} s"
+            if link.stream_bps
+            else "no migration to this destination measured yet"
+        )
+        text = (
+            f"{decision.explain()}\n  fabric to {dest.agent.address}: probed "
+            f"{link.fabric_bps / 2**20:.0f} MiB/s; {learned}"
+        )
+        return 200, {"mode": decision.mode, "transfer": decision.transfer, "explanation": text}
+
+    def migrate(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, MIGRATE_FIELDS, MIGRATE_OPTIONAL)
+        mode = body.get("mode", "auto")
+        if mode not in ("auto", "precopy", "postcopy", "split"):
+            raise api.BadRequest(reason=f"unknown mode {mode!r}")
+        record = self.migrations.start(
+            body["vm"], self._destination(body["dest"]), mode, body.get("max_downtime_ms")
+        )
+        return 202, {"id": record.id}
+
+    def migration_status(
+        self, body: dict[str, Any], m: re.Match[str]
+    ) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {})
+        return 200, self.migrations.get(m.group("id")).as_dict()
+
+
+def main(argv: list[str] | None = None) -> int:
+    conf = config.CONF
+    try:
+        conf(sys.argv[1:] if argv is None else argv, project="flexmig", prog="flexmig-agent")
+        agent = Agent(conf)
+        servers = api.make_servers(
+            conf.agent.listen_address,
+            conf.agent.port,
+            conf.agent.unix_socket,
+            auth.Verifier(agent.key),
+            agent.router,
+        )
+    except (cfg.Error, exceptions.FlexMigError, OSError) as exc:
+        print(f"flexmig-agent: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    LOG.info(
+        "listening on %s:%d%s",
+        conf.agent.listen_address,
+        conf.agent.port,
+        f" and {conf.agent.unix_socket}" if conf.agent.unix_socket else "",
+    )
+    for server in servers[1:]:
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+    servers[0].serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

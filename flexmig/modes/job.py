@@ -1,0 +1,197 @@
+"""One migration job through libvirt: start, watch, switch, abort or recover.
+
+The job runs ``migrateToURI3`` in a worker thread and watches it from the
+caller's thread.  Watchdogs turn a stalled stream or a lost destination agent
+into an abort while abort is still safe (precopy: the VM keeps running on the
+source).  Once postcopy has started the VM's state is split between hosts, so
+a stall pauses postcopy instead and the job keeps trying to resume it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+
+import libvirt
+
+from flexmig import hypervisor
+from flexmig.modes.base import MigrationMode
+from flexmig.policy.decision import Decision
+
+ProgressFn = Callable[[str, dict[str, int]], None]
+EventFn = Callable[[str], None]
+PEER_CHECK_INTERVAL_S = 1.0
+PEER_FAILURES_TO_ABORT = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class JobConfig:
+    dest_libvirt_uri: str
+    migration_uri: str
+    bandwidth_mib: int = 0
+    stall_timeout_s: float = 15.0
+    recovery_timeout_s: float = 300.0
+    poll_s: float = 0.2
+
+
+@dataclasses.dataclass
+class JobResult:
+    state: str  # completed | failed
+    error: str | None = None
+    switched_to_postcopy: bool = False
+    recovered: bool = False
+    elapsed_s: float = 0.0
+    last_stats: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def _int_stats(stats: dict[str, object]) -> dict[str, int]:
+    return {k: v for k, v in stats.items() if isinstance(v, int)}
+
+
+class MigrationJob:
+    def __init__(
+        self,
+        dom: libvirt.virDomain,
+        host: str,
+        decision: Decision,
+        mode: MigrationMode,
+        config: JobConfig,
+        on_progress: ProgressFn | None = None,
+        on_event: EventFn | None = None,
+        peer_alive: Callable[[], bool] | None = None,
+    ) -> None:
+        self.dom = dom
+        self.host = host
+        self.decision = decision
+        self.mode = mode
+        self.config = config
+        self.on_progress = on_progress or (lambda _phase, _stats: None)
+        self.on_event = on_event or (lambda _text: None)
+        self.peer_alive = peer_alive
+        self.result = JobResult(state="running")
+        self._abort_reason: str | None = None
+
+    def _params(self) -> dict[str, object]:
+        params: dict[str, object] = {libvirt.VIR_MIGRATE_PARAM_URI: self.config.migration_uri}
+        if self.config.bandwidth_mib:
+            params[libvirt.VIR_MIGRATE_PARAM_BANDWIDTH] = self.config.bandwidth_mib
+        return params
+
+    def _start(self, flags: int) -> tuple[threading.Thread, list[BaseException]]:
+        errors: list[BaseException] = []
+
+        def migrate() -> None:
+            try:
+                with hypervisor.wrap_errors(self.host, f"migrate {self.dom.name()}"):
+                    self.dom.migrateToURI3(self.config.dest_libvirt_uri, self._params(), flags)
+            except BaseException as exc:  # noqa: BLE001 - handed to the watching thread
+                errors.append(exc)
+
+        worker = threading.Thread(target=migrate, name="migration", daemon=True)
+        worker.start()
+        return worker, errors
+
+    def run(self) -> JobResult:
+        start = time.monotonic()
+        with hypervisor.wrap_errors(self.host, "set the downtime limit"):
+            self.dom.migrateSetMaxDowntime(self.decision.max_downtime_ms)
+        worker, errors = self._start(self.mode.flags(self.decision))
+        self._watch(worker)
+        if errors and self.result.switched_to_postcopy:
+            self.on_event(f"postcopy interrupted ({errors[0]}); recovering")
+            self._recover()
+        elif errors:
+            self.result.state = "failed"
+            self.result.error = self._abort_reason or str(errors[0])
+            self._keep_source_running()
+        else:
+            self.result.state = "completed"
+        self.result.elapsed_s = time.monotonic() - start
+        return self.result
+
+    def _watch(self, worker: threading.Thread) -> None:
+        last_bytes, last_move = -1, time.monotonic()
+        peer_failures, next_peer_check = 0, time.monotonic() + PEER_CHECK_INTERVAL_S
+        while worker.is_alive():
+            worker.join(self.config.poll_s)
+            stats = self._stats()
+            if not stats:
+                continue
+            phase = "postcopy" if self.result.switched_to_postcopy else "precopy"
+            self.on_progress(phase, stats)
+            if not self.result.switched_to_postcopy and self.mode.should_switch_to_postcopy(
+                self.decision, stats
+            ):
+                self._switch_to_postcopy(stats)
+            moved = stats.get("memory_processed", 0)
+            if moved != last_bytes:
+                last_bytes, last_move = moved, time.monotonic()
+            elif time.monotonic() - last_move > self.config.stall_timeout_s:
+                self._interrupt(f"no progress for {self.config.stall_timeout_s:.0f} s")
+                last_move = time.monotonic()
+            if self.peer_alive and time.monotonic() >= next_peer_check:
+                next_peer_check = time.monotonic() + PEER_CHECK_INTERVAL_S
+                peer_failures = 0 if self.peer_alive() else peer_failures + 1
+                if peer_failures == PEER_FAILURES_TO_ABORT:
+                    self._interrupt("destination agent stopped answering")
+
+    def _stats(self) -> dict[str, int]:
+        try:
+            stats = _int_stats(self.dom.jobStats())
+        except libvirt.libvirtError:
+            return {}
+        if stats:
+            self.result.last_stats = stats
+        return stats
+
+    def _switch_to_postcopy(self, stats: dict[str, int]) -> None:
+        try:
+            self.dom.migrateStartPostCopy()
+        except libvirt.libvirtError as exc:
+            self.on_event(f"switch to postcopy refused: {exc.get_error_message()}")
+            return
+        self.result.switched_to_postcopy = True
+        self.on_event(f"switched to postcopy after round {stats.get('memory_iteration', 0) - 1}")
+
+    def _interrupt(self, reason: str) -> None:
+        """Abort while precopy (safe), pause while postcopy (recoverable)."""
+        self._abort_reason = reason
+        self.on_event(f"interrupting: {reason}")
+        with contextlib.suppress(libvirt.libvirtError):
+            if self.result.switched_to_postcopy:
+                self.dom.abortJobFlags(libvirt.VIR_DOMAIN_ABORT_JOB_POSTCOPY)
+            else:
+                self.dom.abortJob()
+
+    def _keep_source_running(self) -> None:
+        """After a failed precopy the VM must run on the source, never stay paused."""
+        with contextlib.suppress(libvirt.libvirtError):
+            state, _reason = self.dom.state()
+            if state == libvirt.VIR_DOMAIN_PAUSED:
+                self.dom.resume()
+                self.on_event("resumed the VM on the source")
+
+    def _recover(self) -> None:
+        deadline = time.monotonic() + self.config.recovery_timeout_s
+        flags = self.mode.flags(self.decision) | libvirt.VIR_MIGRATE_POSTCOPY_RESUME
+        attempt = 0
+        while time.monotonic() < deadline:
+            attempt += 1
+            time.sleep(min(2.0, self.config.stall_timeout_s))
+            worker, errors = self._start(flags)
+            self._watch(worker)
+            if not errors:
+                self.result.state, self.result.recovered = "completed", True
+                self.on_event(f"postcopy resumed and completed (attempt {attempt})")
+                return
+            self.on_event(f"resume attempt {attempt} failed: {errors[0]}")
+        self.result.state = "failed"
+        self.result.error = (
+            f"postcopy could not be resumed within "
+            f"{self.config.recovery_timeout_s:.0f} s; the VM stays paused on "
+            "both hosts and resumes with 'flexmig migrate --resume' once the "
+            "fabric is back"
+        )
