@@ -175,7 +175,9 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    result = migrate_cli.migrate(Lab(), args.vm, args.to, args.mode, args.max_downtime_ms)
+    result = migrate_cli.migrate(
+        Lab(), args.vm, args.to, args.mode, args.max_downtime_ms, bandwidth_mib=args.bandwidth_mib
+    )
     if args.json:
         _print(result, True)
     else:
@@ -225,6 +227,12 @@ def _add_migration_parsers(sub: argparse._SubParsersAction) -> None:  # type: ig
         p.add_argument("--to", required=True, help="destination host")
         p.add_argument("--mode", default="auto", choices=("auto", "precopy", "postcopy", "split"))
         p.add_argument("--max-downtime-ms", type=int, help="downtime budget (default: agent's)")
+        p.add_argument(
+            "--bandwidth-mib",
+            type=int,
+            default=0,
+            help="cap the migration stream (MiB/s), e.g. to emulate a slower link",
+        )
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=func)
 

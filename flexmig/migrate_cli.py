@@ -17,7 +17,7 @@ MIGRATION_TIMEOUT_S = 1800.0
 
 
 def _request(
-    lab: Lab, name: str, to: str, mode: str, max_downtime_ms: int | None
+    lab: Lab, name: str, to: str, mode: str, max_downtime_ms: int | None, bandwidth_mib: int = 0
 ) -> tuple[str, dict[str, Any]]:
     source = lab_vm.LabVM(lab, name).locate()
     if source is None:
@@ -37,6 +37,8 @@ def _request(
     }
     if max_downtime_ms is not None:
         body["max_downtime_ms"] = max_downtime_ms
+    if bandwidth_mib:
+        body["bandwidth_mib"] = bandwidth_mib
     return source, body
 
 
@@ -47,6 +49,20 @@ def explain(
     return lab.agent(source).post("/v1/plan", body)
 
 
+def start(
+    lab: Lab,
+    name: str,
+    to: str,
+    mode: str = "auto",
+    max_downtime_ms: int | None = None,
+    bandwidth_mib: int = 0,
+) -> tuple[str, Any, str]:
+    """Start a migration on the source agent: (source host, its agent, migration id)."""
+    source, body = _request(lab, name, to, mode, max_downtime_ms, bandwidth_mib)
+    agent = lab.agent(source)
+    return source, agent, agent.post("/v1/migrations", body)["id"]
+
+
 def migrate(
     lab: Lab,
     name: str,
@@ -54,13 +70,12 @@ def migrate(
     mode: str = "auto",
     max_downtime_ms: int | None = None,
     show: bool = True,
+    bandwidth_mib: int = 0,
 ) -> dict[str, Any]:
     """Run a FlexMig migration and measure it from inside the guest."""
-    source, body = _request(lab, name, to, mode, max_downtime_ms)
-    agent = lab.agent(source)
     guest = lab_vm.LabVM(lab, name)
     start_ns = time.monotonic_ns()
-    migration_id = agent.post("/v1/migrations", body)["id"]
+    source, agent, migration_id = start(lab, name, to, mode, max_downtime_ms, bandwidth_mib)
     record = _follow(agent, migration_id, f"{name} {source}->{to.upper()}", show)
     result: dict[str, Any] = {
         "vm": name,
@@ -81,6 +96,11 @@ def migrate(
         result["heartbeat_hosts"] = "->".join(beats.hosts)
         result["verify"] = guest.verify()
     return result
+
+
+def follow(agent: Any, migration_id: str, label: str = "", show: bool = False) -> dict[str, Any]:
+    """Poll a migration until it ends (and draw its progress when ``show``)."""
+    return _follow(agent, migration_id, label, show)
 
 
 def _follow(agent: Any, migration_id: str, label: str, show: bool) -> dict[str, Any]:

@@ -10,9 +10,11 @@ destination is cleaned up and the VM is left running on the source.
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 from stevedore import driver
@@ -75,6 +77,7 @@ class MigrationRecord:
     vm: str
     dest: str
     requested_mode: str
+    bandwidth_mib: int = 0
     state: str = "planning"
     decision: Decision | None = None
     progress: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -111,12 +114,32 @@ class MigrationService:
         self.conf = conf
         self.sample_seconds = sample_seconds
         self.records: dict[str, MigrationRecord] = {}
-        self.links: dict[str, LinkEstimate] = {}
+        self.links_file = Path(conf.agent.state_dir) / "links.json"
+        self.links = self._load_links()
         self.lock = threading.Lock()
+
+    def _load_links(self) -> dict[str, LinkEstimate]:
+        """What earlier runs of this agent learned about each destination."""
+        try:
+            data = json.loads(self.links_file.read_text())
+            return {peer: LinkEstimate(**fields) for peer, fields in data.items()}
+        except (OSError, ValueError, TypeError):
+            return {}
+
+    def _save_links(self) -> None:
+        self.links_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.links_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({p: dataclasses.asdict(v) for p, v in self.links.items()}))
+        tmp.replace(self.links_file)
 
     # -- planning -------------------------------------------------------------
     def plan(
-        self, vm: str, dest: Destination, mode: str = "auto", max_downtime_ms: int | None = None
+        self,
+        vm: str,
+        dest: Destination,
+        mode: str = "auto",
+        max_downtime_ms: int | None = None,
+        bandwidth_mib: int = 0,
     ) -> Decision:
         with hypervisor.connect(self.conf.agent.libvirt_uri, self.host) as conn:
             dom = hypervisor.find_domain(conn, vm)
@@ -128,6 +151,8 @@ class MigrationService:
         link = self.link(dest)
         initial = self.conf.agent.initial_stream_bandwidth_mib * 2**20
         bandwidth = link.stream_bps or min(initial, link.fabric_bps)
+        if bandwidth_mib:
+            bandwidth = min(bandwidth, bandwidth_mib * 2**20)
         inputs = MigrationInputs(
             vm=vm,
             ram_bytes=mem.ram_bytes,
@@ -150,14 +175,24 @@ class MigrationService:
         if time.time() - link.fabric_measured_at > PROBE_MAX_AGE_S:
             link.fabric_bps = dest.agent.probe_bandwidth(PROBE_MIB)
             link.fabric_measured_at = time.time()
+            self._save_links()
         return link
 
     # -- execution ------------------------------------------------------------
     def start(
-        self, vm: str, dest: Destination, mode: str = "auto", max_downtime_ms: int | None = None
+        self,
+        vm: str,
+        dest: Destination,
+        mode: str = "auto",
+        max_downtime_ms: int | None = None,
+        bandwidth_mib: int = 0,
     ) -> MigrationRecord:
         record = MigrationRecord(
-            id=uuid.uuid4().hex[:12], vm=vm, dest=dest.agent.address, requested_mode=mode
+            id=uuid.uuid4().hex[:12],
+            vm=vm,
+            dest=dest.agent.address,
+            requested_mode=mode,
+            bandwidth_mib=bandwidth_mib,
         )
         with self.lock:
             if any(
@@ -176,7 +211,9 @@ class MigrationService:
     def _run(self, record: MigrationRecord, dest: Destination, max_downtime_ms: int | None) -> None:
         try:
             record.event("sampling the dirty rate and asking the destination for its facts")
-            record.decision = self.plan(record.vm, dest, record.requested_mode, max_downtime_ms)
+            record.decision = self.plan(
+                record.vm, dest, record.requested_mode, max_downtime_ms, record.bandwidth_mib
+            )
             record.event(f"decided: {record.decision.mode}")
             record.state = "running"
             self._execute(record, dest)
@@ -206,6 +243,7 @@ class MigrationService:
         config = JobConfig(
             dest_libvirt_uri=dest.libvirt_uri,
             migration_uri=dest.migration_uri,
+            bandwidth_mib=record.bandwidth_mib,
             stall_timeout_s=self.conf.agent.stall_timeout,
             recovery_timeout_s=self.conf.agent.recovery_timeout,
         )
@@ -253,8 +291,9 @@ class MigrationService:
         stats.update({k: v for k, v in done.items() if isinstance(v, int)})
         elapsed_ms = stats.get("time_elapsed", int(result.elapsed_s * 1000))
         moved = stats.get("memory_processed", 0)
-        if not result.switched_to_postcopy:
+        if not result.switched_to_postcopy and not record.bandwidth_mib:
             self.link(dest).learn(stats)
+            self._save_links()
         pred = record.decision.prediction if record.decision else None
         return {
             "mode": record.decision.mode if record.decision else None,

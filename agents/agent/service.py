@@ -21,7 +21,7 @@ from flexmig import exceptions
 LOG = logging.getLogger("flexmig.agent")
 DEST_FIELDS = {"address": str, "port": int, "libvirt_uri": str, "migration_uri": str}
 MIGRATE_FIELDS = {"vm": str, "dest": dict}
-MIGRATE_OPTIONAL = {"mode": str, "max_downtime_ms": int}
+MIGRATE_OPTIONAL = {"mode": str, "max_downtime_ms": int, "bandwidth_mib": int}
 MAX_PROBE_MIB = 256
 
 
@@ -141,8 +141,15 @@ class Agent:
         mode = body.get("mode", "auto")
         if mode not in ("auto", "precopy", "postcopy", "split"):
             raise api.BadRequest(reason=f"unknown mode {mode!r}")
+        bandwidth = body.get("bandwidth_mib", 0)
+        if not 0 <= bandwidth <= 1_000_000:
+            raise api.BadRequest(reason=f"bandwidth_mib {bandwidth} not in 0..1000000")
         record = self.migrations.start(
-            body["vm"], self._destination(body["dest"]), mode, body.get("max_downtime_ms")
+            body["vm"],
+            self._destination(body["dest"]),
+            mode,
+            body.get("max_downtime_ms"),
+            bandwidth,
         )
         return 202, {"id": record.id}
 

@@ -126,7 +126,7 @@ def best_switch_round(model: DirtyModel, xfer: Transfer, max_rounds: int = 5) ->
     to_send = best_left
     for index in range(2, max_rounds + 1):
         left = model.pages(xfer.round_seconds(to_send))
-        if left < 0.9 * best_left:
+        if left < 0.5 * best_left:
             best, best_left = index, left
         to_send = left
     return best
