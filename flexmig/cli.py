@@ -169,7 +169,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    plan = migrate_cli.explain(Lab(), args.vm, args.to, args.mode, args.max_downtime_ms)
+    plan = migrate_cli.explain(
+        Lab(), args.vm, args.to, args.mode, args.max_downtime_ms, args.bandwidth_mib
+    )
     print(plan["explanation"])
     return 0
 

@@ -43,9 +43,14 @@ def _request(
 
 
 def explain(
-    lab: Lab, name: str, to: str, mode: str = "auto", max_downtime_ms: int | None = None
+    lab: Lab,
+    name: str,
+    to: str,
+    mode: str = "auto",
+    max_downtime_ms: int | None = None,
+    bandwidth_mib: int = 0,
 ) -> dict[str, Any]:
-    source, body = _request(lab, name, to, mode, max_downtime_ms)
+    source, body = _request(lab, name, to, mode, max_downtime_ms, bandwidth_mib)
     return lab.agent(source).post("/v1/plan", body)
 
 

@@ -121,7 +121,11 @@ class Agent:
         api.check_fields(body, MIGRATE_FIELDS, MIGRATE_OPTIONAL)
         dest = self._destination(body["dest"])
         decision = self.migrations.plan(
-            body["vm"], dest, body.get("mode", "auto"), body.get("max_downtime_ms")
+            body["vm"],
+            dest,
+            body.get("mode", "auto"),
+            body.get("max_downtime_ms"),
+            body.get("bandwidth_mib", 0),
         )
         link = self.migrations.link(dest)
         learned = (
