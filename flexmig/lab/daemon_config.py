@@ -71,6 +71,9 @@ def agent_conf(
             f"store_dir = {store_dir}",
             f"unix_socket = {unix_socket}",
             f"memory_budget_mb = {memory_budget_mb}",
+            # Lab fault tests cut links on purpose: notice a dead stream sooner.
+            "stall_timeout = 8",
+            "recovery_timeout = 120",
             "",
         ]
     )

@@ -66,3 +66,8 @@ def connect_host(spec: HostSpec) -> None:
 
 def down_fabric() -> None:
     netns.delete_netns(topology.FABRIC_NETNS)
+
+
+def set_mgmt_link(spec: HostSpec, up: bool) -> None:
+    """Cut or restore a host's management/migration uplink (fault injection)."""
+    _in_fabric("ip", "link", "set", spec.fabric_mgmt_if, "up" if up else "down")

@@ -118,18 +118,12 @@ class MigrationJob:
         while worker.is_alive():
             worker.join(self.config.poll_s)
             stats = self._stats()
-            if not stats:
-                continue
-            phase = "postcopy" if self.result.switched_to_postcopy else "precopy"
-            self.on_progress(phase, stats)
-            if not self.result.switched_to_postcopy and self.mode.should_switch_to_postcopy(
-                self.decision, stats
-            ):
-                self._switch_to_postcopy(stats)
-            moved = stats.get("memory_processed", 0)
-            if moved != last_bytes:
-                last_bytes, last_move = moved, time.monotonic()
-            elif time.monotonic() - last_move > self.config.stall_timeout_s:
+            if stats:
+                self._on_stats(stats)
+                if stats.get("memory_processed", 0) != last_bytes:
+                    last_bytes, last_move = stats.get("memory_processed", 0), time.monotonic()
+            # No statistics at all (libvirt busy with a stuck QEMU) is no progress too.
+            if worker.is_alive() and time.monotonic() - last_move > self.config.stall_timeout_s:
                 self._interrupt(f"no progress for {self.config.stall_timeout_s:.0f} s")
                 last_move = time.monotonic()
             if self.peer_alive and time.monotonic() >= next_peer_check:
@@ -137,6 +131,14 @@ class MigrationJob:
                 peer_failures = 0 if self.peer_alive() else peer_failures + 1
                 if peer_failures == PEER_FAILURES_TO_ABORT:
                     self._interrupt("destination agent stopped answering")
+
+    def _on_stats(self, stats: dict[str, int]) -> None:
+        phase = "postcopy" if self.result.switched_to_postcopy else "precopy"
+        self.on_progress(phase, stats)
+        if not self.result.switched_to_postcopy and self.mode.should_switch_to_postcopy(
+            self.decision, stats
+        ):
+            self._switch_to_postcopy(stats)
 
     def _stats(self) -> dict[str, int]:
         try:
@@ -160,11 +162,13 @@ class MigrationJob:
         """Abort while precopy (safe), pause while postcopy (recoverable)."""
         self._abort_reason = reason
         self.on_event(f"interrupting: {reason}")
-        with contextlib.suppress(libvirt.libvirtError):
+        try:
             if self.result.switched_to_postcopy:
                 self.dom.abortJobFlags(libvirt.VIR_DOMAIN_ABORT_JOB_POSTCOPY)
             else:
                 self.dom.abortJob()
+        except libvirt.libvirtError as exc:
+            self.on_event(f"libvirt refused the interruption: {exc.get_error_message()}")
 
     def _keep_source_running(self) -> None:
         """After a failed precopy the VM must run on the source, never stay paused."""
