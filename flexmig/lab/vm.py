@@ -24,6 +24,7 @@ COMMAND_TIMEOUT = 300.0
 MIGRATION_POLL = 0.5
 
 ProgressFn = Callable[[dict[str, int]], None]
+ControlFn = Callable[[libvirt.virDomain, dict[str, int], float], None]
 
 
 class LabVM:
@@ -198,9 +199,13 @@ def migrate_plain(
     progress: ProgressFn | None = None,
     bandwidth_mib: int = 0,
     max_downtime_ms: int = 0,
+    extra_flags: int = 0,
+    control: ControlFn | None = None,
 ) -> dict[str, int]:
     """Live-migrate with libvirt's own precopy (peer-to-peer), as Nova does by default.
 
+    ``control(dom, stats, elapsed_s)`` runs at every poll: baselines use it to
+    step the downtime limit, switch to postcopy or abort, as their managers do.
     Returns libvirt's completed-job statistics from the destination.
     """
     vm = LabVM(lab, name)
@@ -216,6 +221,7 @@ def migrate_plain(
         | libvirt.VIR_MIGRATE_PEER2PEER
         | libvirt.VIR_MIGRATE_PERSIST_DEST
         | libvirt.VIR_MIGRATE_UNDEFINE_SOURCE
+        | extra_flags
     )
     params: dict[str, object] = {libvirt.VIR_MIGRATE_PARAM_URI: dest.spec.migration_uri}
     if bandwidth_mib:
@@ -225,7 +231,9 @@ def migrate_plain(
         if max_downtime_ms:
             with hypervisor.wrap_errors(source.name, "set max downtime"):
                 dom.migrateSetMaxDowntime(max_downtime_ms)
-        _run_with_progress(dom, source.name, dest.spec.libvirt_uri, params, flags, progress)
+        _run_with_progress(
+            dom, source.name, dest.spec.libvirt_uri, params, flags, progress, control
+        )
     with hypervisor.connect(dest.local_uri, dest.name) as conn:
         with hypervisor.wrap_errors(dest.name, "read completed migration stats"):
             stats = conn.lookupByName(name).jobStats(libvirt.VIR_DOMAIN_JOB_STATS_COMPLETED)
@@ -239,6 +247,7 @@ def _run_with_progress(
     params: dict[str, object],
     flags: int,
     progress: ProgressFn | None,
+    control: ControlFn | None = None,
 ) -> None:
     errors: list[BaseException] = []
 
@@ -250,12 +259,17 @@ def _run_with_progress(
             errors.append(exc)
 
     worker = threading.Thread(target=migrate, name="migrate", daemon=True)
+    start = time.monotonic()
     worker.start()
     while worker.is_alive():
         worker.join(MIGRATION_POLL)
-        if progress is not None and worker.is_alive():
-            with contextlib.suppress(libvirt.libvirtError):
-                stats = dom.jobStats()
-                progress({k: v for k, v in stats.items() if isinstance(v, int)})
+        if not worker.is_alive():
+            break
+        with contextlib.suppress(libvirt.libvirtError):
+            stats = {k: v for k, v in dom.jobStats().items() if isinstance(v, int)}
+            if progress is not None:
+                progress(stats)
+            if control is not None:
+                control(dom, stats, time.monotonic() - start)
     if errors:
         raise errors[0]
