@@ -157,3 +157,30 @@ def simulate_hybrid(model: DirtyModel, xfer: Transfer, switch_after: int) -> Pre
         downtime_s=xfer.switchover_s,
         remaining_pages=round(to_send),
     )
+
+
+DOWNTIME_LADDER_MS = (20, 30, 50, 75, 100, 150, 200, 300, 500, 1000, 2000, 5000)
+# How much longer a tighter downtime limit may make the whole migration.
+TIGHTER_DOWNTIME_SLACK = 1.10
+
+
+def tightest_downtime(model: DirtyModel, xfer: Transfer, budget_ms: int) -> tuple[int, Prediction]:
+    """The smallest downtime limit that still converges at little extra total time.
+
+    The budget is what users tolerate, not what they want: a converging
+    precopy stopped as soon as the remainder fits the budget pauses the guest
+    longer than one run a few short rounds more.
+
+    >>> x = Transfer(ram_pages=1000, resident_pages=1000, page_size=4096,
+    ...              bandwidth_bps=4096 * 1000, switchover_s=0.0)
+    >>> tightest_downtime(DirtyModel(m_pages=400, tau_s=1.0), x, 300)[0]
+    20
+    """
+    full = simulate_precopy(model, xfer, budget_ms / 1000)
+    if not full.converged:
+        return budget_ms, full
+    for limit in (ms for ms in DOWNTIME_LADDER_MS if ms < budget_ms):
+        pred = simulate_precopy(model, xfer, limit / 1000)
+        if pred.converged and pred.total_time_s <= full.total_time_s * TIGHTER_DOWNTIME_SLACK:
+            return limit, pred
+    return budget_ms, full
