@@ -1,0 +1,97 @@
+/* SPDX-License-Identifier: Apache-2.0 */
+#ifndef FM_SESSION_H
+#define FM_SESSION_H
+
+#include <stdint.h>
+#include <sys/types.h>
+
+#include "fabric.h"
+#include "frame.h"
+#include "ring.h"
+
+#define FM_MSG_POOL 64
+#define FM_MAX_DEPTH 32
+
+struct fm_config {
+	const char *role; /* "send" or "recv" */
+	const char *provider;
+	const char *local;
+	const char *peer;
+	int port;
+	uint32_t batch_kib;
+	uint32_t depth;
+	uint32_t slots;
+	const char *token;
+	const char *input;	  /* send: file or "-" */
+	const char *listen_unix;  /* send: QEMU connects here */
+	const char *output;	  /* recv: file or "-" */
+	const char *connect_unix; /* recv: QEMU listens here */
+	int timeout_s;
+	int64_t inject_corruption; /* batch to corrupt after its CRC (tests), or -1 */
+	const char *stats_file;
+};
+
+enum fm_op_kind { FM_OP_RECV, FM_OP_SEND, FM_OP_WRITE };
+
+/* A libfabric operation context; fi_context first, as FI_CONTEXT mode asks. */
+struct fm_op {
+	struct fi_context ctx;
+	enum fm_op_kind kind;
+	int index;
+};
+
+enum fm_buf_state { FM_BUF_FREE, FM_BUF_FILLING, FM_BUF_WRITING };
+
+struct fm_batch_buf {
+	enum fm_buf_state state;
+	size_t len;
+	uint64_t seq;
+	uint32_t slot, crc;
+	struct fm_op op;
+};
+
+struct fm_stats {
+	uint64_t bytes, batches, reverse_bytes;
+	double seconds, wait_credit_seconds;
+};
+
+struct fm_session {
+	struct fm_config *cfg;
+	struct fm_fabric fab;
+	struct fm_ring ring;
+	struct fm_region msgs_tx, msgs_rx, data; /* data: sender's buffers or receiver's ring */
+	struct fm_op tx_ops[FM_MSG_POOL], rx_ops[FM_MSG_POOL];
+	int tx_busy[FM_MSG_POOL];
+	struct fm_batch_buf bufs[FM_MAX_DEPTH];
+	uint64_t ring_addr, ring_key;
+	uint32_t slot_size;
+	int oob_fd, local_fd;
+	int fin_received;
+	uint64_t fin_bytes;
+	double last_progress;
+	struct fm_stats stats;
+	/* The role's handler for receive and write completions. */
+	int (*on_done)(struct fm_session *s, struct fm_op *op, size_t len);
+};
+
+double fm_now(void);
+struct fm_msg *fm_tx_msg(struct fm_session *s, int index);
+struct fm_msg *fm_rx_msg(struct fm_session *s, int index);
+int fm_post_recv(struct fm_session *s, int index);
+int fm_post_all_recvs(struct fm_session *s);
+/* Send a control message of @len bytes (header + data); 0 or -errno. */
+int fm_send_msg(struct fm_session *s, const struct fm_msg *msg, size_t len);
+/* Read completions, handing each to s->on_done; 0 or -errno (fabric error, peer gone). */
+int fm_progress(struct fm_session *s);
+/* -ECONNRESET once the peer's bootstrap line is gone; with @owed (the peer owes
+ * us a completion) also -ETIMEDOUT after timeout_s of silence. */
+int fm_check_peer(struct fm_session *s, int owed);
+/* Back off while idle (up to 1 ms), spin while completions flow. */
+void fm_idle(struct fm_session *s, double *seen);
+int fm_write_all(int fd, const void *buf, size_t len);
+void fm_print_stats(struct fm_session *s);
+
+int fm_run_sender(struct fm_session *s);
+int fm_run_receiver(struct fm_session *s);
+
+#endif
