@@ -178,7 +178,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     result = migrate_cli.migrate(
-        Lab(), args.vm, args.to, args.mode, args.max_downtime_ms, bandwidth_mib=args.bandwidth_mib
+        Lab(),
+        args.vm,
+        args.to,
+        args.mode,
+        args.max_downtime_ms,
+        bandwidth_mib=args.bandwidth_mib,
+        transport=args.transport,
     )
     if args.json:
         _print(result, True)
@@ -194,7 +200,8 @@ def _print_summary(result: dict[str, object]) -> None:
     rows = {
         "result": result["state"] + (f" ({result['error']})" if result.get("error") else ""),
         "running on": result.get("running_on"),
-        "mode": f"{result.get('mode')} (pages moved by {result.get('transfer')})",
+        "mode": f"{result.get('mode')} (pages moved by {result.get('transfer')}, "
+        f"over {result.get('transport')})",
         "total time": f"{result.get('total_time_ms')} ms "
         f"(predicted {result.get('predicted_total_ms')} ms)",
         "guest-observed downtime": f"{result.get('guest_observed_downtime_ms')} ms "
@@ -234,6 +241,12 @@ def _add_migration_parsers(sub: argparse._SubParsersAction) -> None:  # type: ig
             type=int,
             default=0,
             help="cap the migration stream (MiB/s), e.g. to emulate a slower link",
+        )
+        p.add_argument(
+            "--transport",
+            default="auto",
+            choices=("auto", "qemu-tcp", "mover"),
+            help="how the stream travels (auto: see flexmig explain)",
         )
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=func)

@@ -17,7 +17,13 @@ MIGRATION_TIMEOUT_S = 1800.0
 
 
 def _request(
-    lab: Lab, name: str, to: str, mode: str, max_downtime_ms: int | None, bandwidth_mib: int = 0
+    lab: Lab,
+    name: str,
+    to: str,
+    mode: str,
+    max_downtime_ms: int | None,
+    bandwidth_mib: int = 0,
+    transport: str = "auto",
 ) -> tuple[str, dict[str, Any]]:
     source = lab_vm.LabVM(lab, name).locate()
     if source is None:
@@ -39,6 +45,8 @@ def _request(
         body["max_downtime_ms"] = max_downtime_ms
     if bandwidth_mib:
         body["bandwidth_mib"] = bandwidth_mib
+    if transport != "auto":
+        body["transport"] = transport
     return source, body
 
 
@@ -61,9 +69,10 @@ def start(
     mode: str = "auto",
     max_downtime_ms: int | None = None,
     bandwidth_mib: int = 0,
+    transport: str = "auto",
 ) -> tuple[str, Any, str]:
     """Start a migration on the source agent: (source host, its agent, migration id)."""
-    source, body = _request(lab, name, to, mode, max_downtime_ms, bandwidth_mib)
+    source, body = _request(lab, name, to, mode, max_downtime_ms, bandwidth_mib, transport)
     agent = lab.agent(source)
     return source, agent, agent.post("/v1/migrations", body)["id"]
 
@@ -76,11 +85,14 @@ def migrate(
     max_downtime_ms: int | None = None,
     show: bool = True,
     bandwidth_mib: int = 0,
+    transport: str = "auto",
 ) -> dict[str, Any]:
     """Run a FlexMig migration and measure it from inside the guest."""
     guest = lab_vm.LabVM(lab, name)
     start_ns = time.monotonic_ns()
-    source, agent, migration_id = start(lab, name, to, mode, max_downtime_ms, bandwidth_mib)
+    source, agent, migration_id = start(
+        lab, name, to, mode, max_downtime_ms, bandwidth_mib, transport
+    )
     record = _follow(agent, migration_id, f"{name} {source}->{to.upper()}", show)
     result: dict[str, Any] = {
         "vm": name,

@@ -68,6 +68,8 @@ install_python() {
 
 install_debian_packages
 install_python
+log "building the data mover"
+make -s -C agents/mover
 log "building the guest image"
 .venv/bin/flexmig lab image build >/dev/null
 log "ready"

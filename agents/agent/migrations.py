@@ -19,12 +19,14 @@ from typing import Any
 
 from stevedore import driver
 
+from agents.agent import movers
 from agents.agent.client import AgentClient
 from flexmig import exceptions, hypervisor, vm_facts
 from flexmig.modes.base import MigrationMode
 from flexmig.modes.job import JobConfig, MigrationJob
 from flexmig.policy import dirty_model
 from flexmig.policy.decision import Decision, MigrationInputs, decide
+from flexmig.policy.transport import TransportChoice, choose_transport
 
 EWMA_WEIGHT = 0.5
 MAX_EVENTS = 200
@@ -78,6 +80,8 @@ class MigrationRecord:
     dest: str
     requested_mode: str
     bandwidth_mib: int = 0
+    requested_transport: str = "auto"
+    transport: TransportChoice | None = None
     state: str = "planning"
     decision: Decision | None = None
     progress: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -100,6 +104,7 @@ class MigrationRecord:
             "phase": self.phase,
             "requested_mode": self.requested_mode,
             "mode": self.decision.mode if self.decision else None,
+            "transport": dataclasses.asdict(self.transport) if self.transport else None,
             "explanation": self.decision.explain() if self.decision else None,
             "progress": self.progress,
             "events": self.events,
@@ -186,6 +191,7 @@ class MigrationService:
         mode: str = "auto",
         max_downtime_ms: int | None = None,
         bandwidth_mib: int = 0,
+        transport: str = "auto",
     ) -> MigrationRecord:
         record = MigrationRecord(
             id=uuid.uuid4().hex[:12],
@@ -193,6 +199,7 @@ class MigrationService:
             dest=dest.agent.address,
             requested_mode=mode,
             bandwidth_mib=bandwidth_mib,
+            requested_transport=transport,
         )
         with self.lock:
             if any(
@@ -240,9 +247,20 @@ class MigrationService:
                 f"destination reserved a {decision.memory_budget_bytes >> 20} MiB "
                 "resident budget"
             )
+        record.transport = choose_transport(
+            record.requested_transport,
+            movers.rdma_provider_present(),
+            self.conf.agent.tcp_fabric_transport,
+        )
+        record.event(f"transport: {record.transport.transport} ({record.transport.reason})")
+        sender = None
+        migration_uri = dest.migration_uri
+        if record.transport.transport == "mover":
+            sender = self._start_movers(record, dest)
+            migration_uri = "unix://" + movers.socket_path(self.conf.agent.state_dir, record.id)
         config = JobConfig(
             dest_libvirt_uri=dest.libvirt_uri,
-            migration_uri=dest.migration_uri,
+            migration_uri=migration_uri,
             bandwidth_mib=record.bandwidth_mib,
             stall_timeout_s=self.conf.agent.stall_timeout,
             recovery_timeout_s=self.conf.agent.recovery_timeout,
@@ -271,6 +289,7 @@ class MigrationService:
                 peer_alive=dest_alive,
             )
             result = job.run()
+        mover_stats = self._finish_movers(record, dest, sender, result.state == "completed")
         if result.state != "completed":
             if decision.mode == "split" and not result.switched_to_postcopy:
                 _quietly(lambda: dest.agent.post("/v1/split/cleanup", {"vm": record.vm}))
@@ -278,8 +297,55 @@ class MigrationService:
             record.event(f"failed: {result.error}; the VM runs on {self.host}")
             return
         record.summary = self._summary(record, dest, result)
+        record.summary["transport"] = record.transport.transport
+        record.summary["movers"] = mover_stats
         record.state = "completed"
         record.event("completed")
+
+    def _start_movers(self, record: MigrationRecord, dest: Destination) -> movers.MoverProcess:
+        token = movers.new_token()  # scoped to this migration, never reused
+        port = dest.agent.post("/v1/mover/receive", {"migration_id": record.id, "token": token})[
+            "port"
+        ]
+        try:
+            return movers.start_sender(
+                self.conf.agent.state_dir,
+                self.conf.agent.listen_address,
+                dest.agent.address,
+                port,
+                record.id,
+                token,
+            )
+        except exceptions.FlexMigError:
+            _quietly(
+                lambda: dest.agent.post(
+                    "/v1/mover/finish", {"migration_id": record.id, "abort": True}
+                )
+            )
+            raise
+
+    def _finish_movers(
+        self,
+        record: MigrationRecord,
+        dest: Destination,
+        sender: movers.MoverProcess | None,
+        ok: bool,
+    ) -> dict[str, Any] | None:
+        if sender is None:
+            return None
+        if not ok:
+            sender.kill()
+            _quietly(
+                lambda: dest.agent.post(
+                    "/v1/mover/finish", {"migration_id": record.id, "abort": True}
+                )
+            )
+            return None
+        stats = {"send": sender.wait(timeout=30)}
+        stats["recv"] = dest.agent.post(
+            "/v1/mover/finish", {"migration_id": record.id}, timeout=40
+        )["stats"]
+        return stats
 
     def _summary(self, record: MigrationRecord, dest: Destination, result: Any) -> dict[str, Any]:
         stats = dict(result.last_stats)

@@ -12,16 +12,17 @@ from typing import Any
 
 from oslo_config import cfg
 
-from agents.agent import api, auth, config, facts
+from agents.agent import api, auth, config, facts, movers
 from agents.agent.client import AgentClient
 from agents.agent.migrations import Destination, MigrationService
 from agents.agent.split_store import ChunkFlusher, SplitStore
 from flexmig import exceptions
+from flexmig.policy.transport import TRANSPORTS
 
 LOG = logging.getLogger("flexmig.agent")
 DEST_FIELDS = {"address": str, "port": int, "libvirt_uri": str, "migration_uri": str}
 MIGRATE_FIELDS = {"vm": str, "dest": dict}
-MIGRATE_OPTIONAL = {"mode": str, "max_downtime_ms": int, "bandwidth_mib": int}
+MIGRATE_OPTIONAL = {"mode": str, "max_downtime_ms": int, "bandwidth_mib": int, "transport": str}
 MAX_PROBE_MIB = 256
 
 
@@ -42,6 +43,9 @@ class Agent:
         r.add("POST", "/v1/split/cleanup", self.split_cleanup)
         r.add("GET", r"/v1/split/(?P<vm>[^/]+)", self.split_status)
         r.add("POST", "/v1/plan", self.plan)
+        r.add("POST", "/v1/mover/receive", self.mover_receive)
+        r.add("POST", "/v1/mover/finish", self.mover_finish)
+        self.receivers: dict[str, movers.MoverProcess] = {}
         r.add("POST", "/v1/migrations", self.migrate)
         r.add("GET", r"/v1/migrations/(?P<id>[0-9a-f]+)", self.migration_status)
         r.add(
@@ -92,6 +96,27 @@ class Agent:
                 ChunkFlusher(path, stop).run()
 
         threading.Thread(target=wait_and_flush, name=f"flush-wait-{vm}", daemon=True).start()
+
+    def mover_receive(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {"migration_id": str, "token": str})
+        mid, token = body["migration_id"], body["token"]
+        if not re.fullmatch(r"[0-9a-f]{6,32}", mid) or not 32 <= len(token) <= 63:
+            raise api.BadRequest(reason="migration_id must be hex, token 32..63 characters")
+        mover, port = movers.start_receiver(
+            self.conf.agent.state_dir, self.conf.agent.listen_address, mid, token
+        )
+        self.receivers[mid] = mover
+        return 200, {"port": port}
+
+    def mover_finish(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {"migration_id": str}, {"abort": bool})
+        mover = self.receivers.pop(body["migration_id"], None)
+        if mover is None:
+            raise api.BadRequest(reason=f"no receiving mover for {body['migration_id']!r}")
+        if body.get("abort"):
+            mover.kill()
+            return 200, {"aborted": True}
+        return 200, {"stats": mover.wait(timeout=30)}
 
     def split_cleanup(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         api.check_fields(body, {"vm": str})
@@ -148,12 +173,16 @@ class Agent:
         bandwidth = body.get("bandwidth_mib", 0)
         if not 0 <= bandwidth <= 1_000_000:
             raise api.BadRequest(reason=f"bandwidth_mib {bandwidth} not in 0..1000000")
+        transport = body.get("transport", "auto")
+        if transport not in TRANSPORTS:
+            raise api.BadRequest(reason=f"unknown transport {transport!r}")
         record = self.migrations.start(
             body["vm"],
             self._destination(body["dest"]),
             mode,
             body.get("max_downtime_ms"),
             bandwidth,
+            transport,
         )
         return 202, {"id": record.id}
 

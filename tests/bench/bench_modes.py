@@ -186,6 +186,21 @@ def one_run(lab, workload, strategy, swap_file):
         vm.destroy(lab, name)
 
 
+def safe_run(lab, workload, strategy, swap_file):
+    """A run that breaks is a failed row with its reason, never a lost table."""
+    try:
+        return one_run(lab, workload, strategy, swap_file)
+    except exceptions.FlexMigError as exc:
+        return dict(
+            ok=False,
+            note=f"harness: {str(exc)[:70]}",
+            time_s=math.nan,
+            gap_ms=math.nan,
+            bytes_mib=math.nan,
+            bad=-1,
+        )
+
+
 def _fmt(rows):
     med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
     ok = sum(r["ok"] for r in rows)
@@ -225,7 +240,7 @@ def main() -> None:
             if workload == "short-dest":
                 strategies.append("swap-baseline")
             for strategy in strategies:
-                rows = [one_run(lab, workload, strategy, swap_file) for _ in range(args.repeat)]
+                rows = [safe_run(lab, workload, strategy, swap_file) for _ in range(args.repeat)]
                 line = f"| {workload} | {strategy} | {_fmt(rows)} |"
                 print(line, flush=True)
                 lines.append(line)
