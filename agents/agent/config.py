@@ -67,6 +67,14 @@ agent_opts = [
         help="Migration stream bandwidth (MiB/s) assumed towards a destination "
         "before any migration to it has been measured.",
     ),
+    cfg.StrOpt(
+        "tcp_fabric_transport",
+        default="qemu-tcp",
+        choices=["qemu-tcp", "mover"],
+        help="Transport for migrations where the fabric has no RDMA provider: what "
+        "docs/benchmarks/mover.md measured faster on TCP. Where both ends have "
+        "verbs;ofi_rxm the mover is used.",
+    ),
     cfg.IntOpt(
         "max_downtime_ms",
         default=300,

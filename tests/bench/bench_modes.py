@@ -88,6 +88,8 @@ def _measure(lab, name, start_ns, landed):
     guest.wait_heartbeat(host=landed)
     gap = guest.heartbeat(since_ns=start_ns).longest_gap_ms
     check = guest.verify()
+    if check["bad"] or check["lost"]:
+        print(f"  {name}: verify {check}", flush=True)
     return gap, check["bad"] + check["lost"]
 
 
@@ -132,6 +134,8 @@ def run_plain(lab, name, strategy):
 def run_flexmig(lab, name):
     result = migrate_cli.migrate(lab, name, "B", show=False, bandwidth_mib=BANDWIDTH_MIB)
     check = result.get("verify") or {}
+    if check.get("bad") or check.get("lost"):
+        print(f"  {name}: verify {check}; events {result.get('events')}", flush=True)
     return dict(
         ok=result["state"] == "completed",
         mode=result.get("mode"),
@@ -155,7 +159,9 @@ def run_swap_baseline(lab, name, swap_file: Path):
     try:
         return run_plain(lab, name, "nova-default")
     finally:
-        subprocess.run(["swapoff", str(swap_file)], check=False)
+        # The VM (and its swapped pages) must be gone before swapoff can succeed.
+        vm.destroy(lab, name)
+        subprocess.run(["swapoff", str(swap_file)], check=True)
 
 
 def one_run(lab, workload, strategy, swap_file):
@@ -229,7 +235,7 @@ def main() -> None:
     lab = Lab()
     lab.down()
     lab.up(2)
-    swap_file = lab.dir / "swapfile"
+    swap_file = Path("/var/tmp/flexmig-bench-swapfile")
     subprocess.run(["fallocate", "-l", "1G", str(swap_file)], check=True)
     swap_file.chmod(0o600)
     subprocess.run(["mkswap", str(swap_file)], check=True, capture_output=True)
@@ -246,6 +252,7 @@ def main() -> None:
                 lines.append(line)
     finally:
         lab.down()
+        swap_file.unlink(missing_ok=True)
     header = [
         f"# Migration strategies x workloads ({datetime.date.today()})",
         "",
