@@ -50,7 +50,10 @@ static int get_info(struct fm_fabric *f, const char *provider, const char *node)
 
 int fm_fabric_open(struct fm_fabric *f, const char *provider, const char *node)
 {
-	struct fi_cq_attr cq_attr = {.format = FI_CQ_FORMAT_DATA, .size = CQ_SIZE};
+	/* A waitable CQ: an idle mover blocks in fi_cq_sread, which still drives
+	 * providers with manual progress, instead of spinning or sleeping blind. */
+	struct fi_cq_attr cq_attr = {
+		.format = FI_CQ_FORMAT_DATA, .size = CQ_SIZE, .wait_obj = FI_WAIT_UNSPEC};
 	struct fi_av_attr av_attr = {.type = FI_AV_TABLE};
 	const char *step;
 	int ret;

@@ -141,7 +141,7 @@ int fm_run_receiver(struct fm_session *s)
 		if (!ret)
 			ret = fm_check_peer(s, 0);
 		if (!ret)
-			fm_idle(s, &seen);
+			ret = fm_idle(s, &seen);
 	}
 	/* Let the FIN reply leave before the endpoint closes. */
 	for (int i = 0; i < 100 && !ret; i++) {

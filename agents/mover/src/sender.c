@@ -165,6 +165,8 @@ static int writes_pending(struct fm_session *s)
 static int pump(struct fm_session *s)
 {
 	int eof = 0, ship = 0, ret;
+	uint64_t bytes_seen = 0;
+	double seen = 0;
 
 	while (!eof || ship || writes_pending(s) || fm_ring_in_flight(&s->ring)) {
 		ret = fm_progress(s);
@@ -176,8 +178,6 @@ static int pump(struct fm_session *s)
 			ship = fill_from_input(s, &eof, fm_ring_in_flight(&s->ring) ? 0 : 1);
 			if (ship < 0)
 				return ship;
-		} else if (!ship) {
-			usleep(50);
 		}
 		if (ship && fm_ring_can_send(&s->ring)) {
 			ret = post_write(s, fill_index);
@@ -189,6 +189,9 @@ static int pump(struct fm_session *s)
 		/* Nothing owed by the peer: silence is our input's, not the peer's. */
 		if (!fm_ring_in_flight(&s->ring) && !writes_pending(s))
 			s->last_progress = fm_now();
+		else if (s->stats.bytes == bytes_seen && !ship && (ret = fm_idle(s, &seen)))
+			return ret; /* (fm_idle waited on credits or completions) */
+		bytes_seen = s->stats.bytes;
 	}
 	return 0;
 }

@@ -108,12 +108,22 @@ static int report_cq_error(struct fm_session *s)
 
 int fm_progress(struct fm_session *s)
 {
+	return fm_progress_wait(s, 0);
+}
+
+int fm_progress_wait(struct fm_session *s, int timeout_ms)
+{
 	struct fi_cq_data_entry comp[16];
 	ssize_t n, i;
 	int ret;
 
 	for (;;) {
-		n = fi_cq_read(s->fab.cq, comp, 16);
+		if (timeout_ms > 0) {
+			n = fi_cq_sread(s->fab.cq, comp, 16, NULL, timeout_ms);
+			timeout_ms = 0;
+		} else {
+			n = fi_cq_read(s->fab.cq, comp, 16);
+		}
 		if (n == -FI_EAGAIN)
 			return 0;
 		if (n == -FI_EAVAIL)
@@ -201,13 +211,13 @@ void fm_print_stats(struct fm_session *s)
 		fclose(out);
 }
 
-void fm_idle(struct fm_session *s, double *seen)
+int fm_idle(struct fm_session *s, double *seen)
 {
-	double idle = fm_now() - s->last_progress;
-
 	if (s->last_progress != *seen) {
 		*seen = s->last_progress;
-		return;
+		return 0;
 	}
-	usleep(idle > 0.01 ? 1000 : 20);
+	/* Block on the CQ (it keeps the provider progressing) rather than spin:
+	 * the movers share the cores with QEMU. */
+	return fm_progress_wait(s, 1);
 }

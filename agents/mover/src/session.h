@@ -83,11 +83,13 @@ int fm_post_all_recvs(struct fm_session *s);
 int fm_send_msg(struct fm_session *s, const struct fm_msg *msg, size_t len);
 /* Read completions, handing each to s->on_done; 0 or -errno (fabric error, peer gone). */
 int fm_progress(struct fm_session *s);
+/* Same, first blocking up to @timeout_ms for a completion. */
+int fm_progress_wait(struct fm_session *s, int timeout_ms);
 /* -ECONNRESET once the peer's bootstrap line is gone; with @owed (the peer owes
  * us a completion) also -ETIMEDOUT after timeout_s of silence. */
 int fm_check_peer(struct fm_session *s, int owed);
-/* Back off while idle (up to 1 ms), spin while completions flow. */
-void fm_idle(struct fm_session *s, double *seen);
+/* Nothing happened since the last call: block up to 1 ms on the CQ. 0 or -errno. */
+int fm_idle(struct fm_session *s, double *seen);
 int fm_write_all(int fd, const void *buf, size_t len);
 void fm_print_stats(struct fm_session *s);
 
