@@ -101,12 +101,21 @@ class LabVM:
             report = self.heartbeat(since_ns=start)
             return report.beats > 0 and (host is None or report.last_host == host)
 
-        commands.wait_for(
-            fresh,
-            timeout=timeout,
-            interval=0.1,
-            what=f"a heartbeat from {self.name} on {host or 'any host'}",
-        )
+        try:
+            commands.wait_for(
+                fresh,
+                timeout=timeout,
+                interval=0.1,
+                what=f"a heartbeat from {self.name} on {host or 'any host'}",
+            )
+        except exceptions.Timeout as exc:
+            # Say what the recorder last saw: connections, guest lines, its errors.
+            tail = []
+            for log in ("events.log", "recorder.log"):
+                path = self.dir / log
+                if path.exists():
+                    tail += path.read_text(errors="replace").splitlines()[-4:]
+            raise exceptions.GuestError(vm=self.name, reason=f"{exc}; last: {tail}") from exc
 
 
 def _next_index(lab: Lab) -> int:
