@@ -230,6 +230,11 @@ def main() -> None:
     )
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/modes.md"))
+    parser.add_argument(
+        "--workloads",
+        default=",".join(WORKLOADS),
+        help=f"comma-separated subset of {', '.join(WORKLOADS)}",
+    )
     args = parser.parse_args()
     image.build()
     lab = Lab()
@@ -241,7 +246,9 @@ def main() -> None:
     subprocess.run(["mkswap", str(swap_file)], check=True, capture_output=True)
     lines = []
     try:
-        for workload in WORKLOADS:
+        for workload in args.workloads.split(","):
+            if workload not in WORKLOADS:
+                raise SystemExit(f"unknown workload {workload!r}")
             strategies = ["nova-default", "always-postcopy", "flexmig-auto"]
             if workload == "short-dest":
                 strategies.append("swap-baseline")

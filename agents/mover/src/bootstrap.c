@@ -75,7 +75,7 @@ static int sender_bootstrap(struct fm_session *s, const char *token)
 	s->oob_fd = fm_oob_connect(c->peer, c->port, c->timeout_s * 1000);
 	if (s->oob_fd < 0)
 		return s->oob_fd;
-	ret = fm_oob_send_all(s->oob_fd, &hello, sizeof(hello));
+	ret = fm_write_all(s->oob_fd, &hello, sizeof(hello));
 	if (!ret)
 		ret = fm_oob_recv_all(s->oob_fd, &w, sizeof(w), c->timeout_s * 1000);
 	if (ret)
@@ -122,7 +122,7 @@ static int receiver_bootstrap(struct fm_session *s, const char *token)
 	if (ret)
 		return ret;
 	if (h.magic != FM_MAGIC || h.version != FM_VERSION || !tokens_equal(h.token, token)) {
-		fm_oob_send_all(s->oob_fd, &w, sizeof(w));
+		fm_write_all(s->oob_fd, &w, sizeof(w));
 		fprintf(stderr, "mover: the peer presented a wrong or no credential\n");
 		return -EACCES;
 	}
@@ -147,7 +147,7 @@ static int receiver_bootstrap(struct fm_session *s, const char *token)
 	w.slot_size = s->slot_size;
 	w.addr_len = s->fab.addr_len;
 	memcpy(w.addr, s->fab.addr, s->fab.addr_len);
-	ret = fm_oob_send_all(s->oob_fd, &w, sizeof(w));
+	ret = fm_write_all(s->oob_fd, &w, sizeof(w));
 	if (!ret && c->output) {
 		s->local_fd = open_file(c->output, 1);
 		ret = s->local_fd < 0 ? s->local_fd : 0;

@@ -8,6 +8,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <getopt.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -114,6 +115,8 @@ int main(int argc, char **argv)
 	struct fm_session s = {0};
 	int ret;
 
+	/* A peer or QEMU closing its socket must be an error we report, not a kill. */
+	signal(SIGPIPE, SIG_IGN);
 	ret = fm_parse_args(argc, argv, &cfg, token);
 	if (ret)
 		return ret > 0 ? 0 : 2;

@@ -88,15 +88,21 @@ int fm_oob_connect(const char *addr, int port, int timeout_ms)
 	return fd;
 }
 
-int fm_oob_send_all(int fd, const void *buf, size_t len)
+int fm_write_all(int fd, const void *buf, size_t len)
 {
 	const char *p = buf;
 
 	while (len) {
-		ssize_t n = send(fd, p, len, MSG_NOSIGNAL);
+		ssize_t n = write(fd, p, len);
 
 		if (n < 0 && errno == EINTR)
 			continue;
+		if (n < 0 && errno == EAGAIN) {
+			struct pollfd pf = {.fd = fd, .events = POLLOUT};
+
+			poll(&pf, 1, 100);
+			continue;
+		}
 		if (n <= 0)
 			return n < 0 ? -errno : -EPIPE;
 		p += n;

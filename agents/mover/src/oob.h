@@ -11,7 +11,8 @@
  */
 int fm_oob_listen_accept(const char *addr, int port, int timeout_ms);
 int fm_oob_connect(const char *addr, int port, int timeout_ms);
-int fm_oob_send_all(int fd, const void *buf, size_t len);
+/* Write all of @buf (sockets too: SIGPIPE is ignored, EPIPE comes back). */
+int fm_write_all(int fd, const void *buf, size_t len);
 int fm_oob_recv_all(int fd, void *buf, size_t len, int timeout_ms);
 /* The unix socket side: accept QEMU (sender) or connect to QEMU (receiver). */
 int fm_unix_listen_accept(const char *path, int timeout_ms);

@@ -161,29 +161,6 @@ int fm_check_peer(struct fm_session *s, int owed)
 	return 0;
 }
 
-int fm_write_all(int fd, const void *buf, size_t len)
-{
-	const char *p = buf;
-
-	while (len) {
-		ssize_t n = write(fd, p, len);
-
-		if (n < 0 && errno == EINTR)
-			continue;
-		if (n < 0 && errno == EAGAIN) {
-			struct pollfd pf = {.fd = fd, .events = POLLOUT};
-
-			poll(&pf, 1, 100);
-			continue;
-		}
-		if (n <= 0)
-			return n < 0 ? -errno : -EPIPE;
-		p += n;
-		len -= (size_t)n;
-	}
-	return 0;
-}
-
 void fm_print_stats(struct fm_session *s)
 {
 	struct rusage ru;

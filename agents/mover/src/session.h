@@ -6,6 +6,7 @@
 #include <sys/types.h>
 
 #include "fabric.h"
+#include "oob.h"
 #include "frame.h"
 #include "ring.h"
 
@@ -90,7 +91,6 @@ int fm_progress_wait(struct fm_session *s, int timeout_ms);
 int fm_check_peer(struct fm_session *s, int owed);
 /* Nothing happened since the last call: block up to 1 ms on the CQ. 0 or -errno. */
 int fm_idle(struct fm_session *s, double *seen);
-int fm_write_all(int fd, const void *buf, size_t len);
 void fm_print_stats(struct fm_session *s);
 
 int fm_run_sender(struct fm_session *s);
