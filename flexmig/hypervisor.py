@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 
 import libvirt
@@ -45,3 +46,24 @@ def find_domain(conn: libvirt.virConnect, name: str) -> libvirt.virDomain | None
         if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
             return None
         raise
+
+
+def start_migration(
+    dom: libvirt.virDomain, host: str, dest_uri: str, params: dict[str, object], flags: int
+) -> tuple[threading.Thread, list[BaseException]]:
+    """Run ``migrateToURI3`` in a worker thread, so the caller can watch the job.
+
+    The caller joins the thread and finds any error, already wrapped, in the list.
+    """
+    errors: list[BaseException] = []
+
+    def migrate() -> None:
+        try:
+            with wrap_errors(host, f"migrate {dom.name()} to {dest_uri}"):
+                dom.migrateToURI3(dest_uri, params, flags)
+        except BaseException as exc:  # noqa: BLE001 - handed to the watching thread
+            errors.append(exc)
+
+    worker = threading.Thread(target=migrate, name="migration", daemon=True)
+    worker.start()
+    return worker, errors

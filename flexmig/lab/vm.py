@@ -8,7 +8,6 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -258,18 +257,8 @@ def _run_with_progress(
     progress: ProgressFn | None,
     control: ControlFn | None = None,
 ) -> None:
-    errors: list[BaseException] = []
-
-    def migrate() -> None:
-        try:
-            with hypervisor.wrap_errors(host, f"migrate {dom.name()} to {dest_uri}"):
-                dom.migrateToURI3(dest_uri, params, flags)
-        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
-            errors.append(exc)
-
-    worker = threading.Thread(target=migrate, name="migrate", daemon=True)
     start = time.monotonic()
-    worker.start()
+    worker, errors = hypervisor.start_migration(dom, host, dest_uri, params, flags)
     while worker.is_alive():
         worker.join(MIGRATION_POLL)
         if not worker.is_alive():

@@ -81,18 +81,9 @@ class MigrationJob:
         return params
 
     def _start(self, flags: int) -> tuple[threading.Thread, list[BaseException]]:
-        errors: list[BaseException] = []
-
-        def migrate() -> None:
-            try:
-                with hypervisor.wrap_errors(self.host, f"migrate {self.dom.name()}"):
-                    self.dom.migrateToURI3(self.config.dest_libvirt_uri, self._params(), flags)
-            except BaseException as exc:  # noqa: BLE001 - handed to the watching thread
-                errors.append(exc)
-
-        worker = threading.Thread(target=migrate, name="migration", daemon=True)
-        worker.start()
-        return worker, errors
+        return hypervisor.start_migration(
+            self.dom, self.host, self.config.dest_libvirt_uri, self._params(), flags
+        )
 
     def run(self) -> JobResult:
         start = time.monotonic()

@@ -98,9 +98,7 @@ int fm_write_all(int fd, const void *buf, size_t len)
 		if (n < 0 && errno == EINTR)
 			continue;
 		if (n < 0 && errno == EAGAIN) {
-			struct pollfd pf = {.fd = fd, .events = POLLOUT};
-
-			poll(&pf, 1, 100);
+			wait_fd(fd, POLLOUT, 100);
 			continue;
 		}
 		if (n <= 0)
