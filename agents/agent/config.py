@@ -39,6 +39,14 @@ agent_opts = [
         help="Split store: where VM memory files live (qemu.conf memory_backing_dir).",
     ),
     cfg.StrOpt(
+        "cgroup_parent",
+        default="flexmig",
+        regex=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$",
+        help="Memory-cgroup directory (under the cgroup-v1 memory mount) holding "
+        "split mode's per-VM groups; must match the libvirt hook's "
+        "FLEXMIG_CGROUP_PARENT.",
+    ),
+    cfg.StrOpt(
         "state_dir",
         default="/run/flexmig",
         help="Where split reservations for the libvirt hook are kept.",

@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     store = SplitStore(
         os.environ.get("FLEXMIG_STATE_DIR", "/run/flexmig"),
         os.environ.get("FLEXMIG_STORE_DIR", "/var/lib/flexmig/store"),
+        os.environ.get("FLEXMIG_CGROUP_PARENT", "flexmig"),
     )
     try:
         if op == "started":

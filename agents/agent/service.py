@@ -31,7 +31,9 @@ class Agent:
         self.conf = conf
         self.host = socket.gethostname()
         self.key = auth.load_key(conf.agent.key_file)
-        self.store = SplitStore(conf.agent.state_dir, conf.agent.store_dir)
+        self.store = SplitStore(
+            conf.agent.state_dir, conf.agent.store_dir, conf.agent.cgroup_parent
+        )
         self.migrations = MigrationService(self.host, conf, config.sample_seconds(conf))
         self.flush_stops: dict[str, threading.Event] = {}
         self.router = api.Router()

@@ -40,12 +40,13 @@ def _check_name(vm: str) -> None:
 
 
 class SplitStore:
-    def __init__(self, state_dir: str, store_dir: str) -> None:
+    def __init__(self, state_dir: str, store_dir: str, cgroup_parent: str = "flexmig") -> None:
         self.reservations = Path(state_dir) / "split"
         self.store_dir = Path(store_dir)
+        self.cgroup_parent = cgroup_parent
 
     def cgroup_dir(self, vm: str) -> Path:
-        return CGROUP_MEMORY / "flexmig" / socket.gethostname() / vm
+        return CGROUP_MEMORY / self.cgroup_parent / socket.gethostname() / vm
 
     def reservation(self, vm: str) -> dict[str, int] | None:
         _check_name(vm)

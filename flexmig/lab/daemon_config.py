@@ -48,12 +48,13 @@ def qemu_conf(spec: HostSpec, store_dir: str) -> str:
     )
 
 
-def qemu_hook(python: str, store_dir: str) -> str:
+def qemu_hook(python: str, store_dir: str, cgroup_parent: str) -> str:
     """/etc/libvirt/hooks/qemu: split mode's cap on incoming QEMU processes."""
     return "\n".join(
         [
             "#!/bin/sh",
             f"export FLEXMIG_STATE_DIR=/run/flexmig FLEXMIG_STORE_DIR={store_dir}",
+            f"export FLEXMIG_CGROUP_PARENT={cgroup_parent}",
             f'exec {python} -m agents.agent.libvirt_hook "$@"',
             "",
         ]
@@ -61,7 +62,12 @@ def qemu_hook(python: str, store_dir: str) -> str:
 
 
 def agent_conf(
-    spec: HostSpec, key_file: str, store_dir: str, unix_socket: str, memory_budget_mb: int
+    spec: HostSpec,
+    key_file: str,
+    store_dir: str,
+    unix_socket: str,
+    memory_budget_mb: int,
+    cgroup_parent: str,
 ) -> str:
     return "\n".join(
         [
@@ -71,6 +77,7 @@ def agent_conf(
             f"store_dir = {store_dir}",
             f"unix_socket = {unix_socket}",
             f"memory_budget_mb = {memory_budget_mb}",
+            f"cgroup_parent = {cgroup_parent}",
             # Lab fault tests cut links on purpose: notice a dead stream sooner.
             "stall_timeout = 8",
             "recovery_timeout = 120",

@@ -74,6 +74,7 @@ class LabHost:
                 store_dir=str(self.store_dir),
                 unix_socket=AGENT_SOCKET,
                 memory_budget_mb=memory_budget_mb,
+                cgroup_parent=topology.cgroup_parent(),
             )
         )
 
@@ -123,7 +124,9 @@ class LabHost:
         (etc / "qemu.conf").write_text(daemon_config.qemu_conf(self.spec, str(self.store_dir)))
         hooks = etc / "hooks"
         hooks.mkdir(exist_ok=True)
-        (hooks / "qemu").write_text(daemon_config.qemu_hook(sys.executable, str(self.store_dir)))
+        (hooks / "qemu").write_text(
+            daemon_config.qemu_hook(sys.executable, str(self.store_dir), topology.cgroup_parent())
+        )
         (hooks / "qemu").chmod(0o755)
         (self.dir / "hosts").write_text(topology.etc_hosts())
         for sub in ("qemu", "qemu/save", "qemu/snapshot", "qemu/dump", "qemu/ram", "images"):

@@ -13,10 +13,10 @@ from flexmig import exceptions
 from flexmig.lab import fabric, netns, recorder, topology
 from flexmig.lab.host import LabHost, check_prerequisites
 
-DEFAULT_LAB_DIR = Path("/var/lib/flexmig-lab")
+DEFAULT_LAB_DIR = Path(topology.default_state_dir())
 DEFAULT_BUDGET_MB = 4096
 # Split mode's memory groups, made by lab hosts' libvirt hooks.
-CGROUP_ROOT = Path("/sys/fs/cgroup/memory/flexmig")
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory") / topology.cgroup_parent()
 
 
 def lab_dir() -> Path:

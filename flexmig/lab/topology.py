@@ -10,12 +10,45 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
+import os
+import re
 import string
 
 from flexmig import exceptions
 
 MAX_HOSTS = 8
-NETNS_PREFIX = "fm-"
+LAB_NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,5}$")
+
+
+def lab_name() -> str:
+    """This lab's name (``FLEXMIG_LAB_NAME``, default ``fm``).
+
+    Namespaces, the state directory and memory cgroups carry it, so several
+    labs (say, two developers' test runs) can live on one machine; inside its
+    namespaces each lab uses the same addresses.
+    """
+    name = os.environ.get("FLEXMIG_LAB_NAME", "fm")
+    if not LAB_NAME_RE.match(name):
+        raise exceptions.InvalidInput(
+            what="FLEXMIG_LAB_NAME", reason=f"{name!r} is not 1-6 lowercase letters/digits"
+        )
+    return name
+
+
+def _suffix() -> str:
+    return "" if lab_name() == "fm" else "-" + lab_name()
+
+
+def cgroup_parent() -> str:
+    """The memory-cgroup directory of this lab's split-mode groups."""
+    return "flexmig" + _suffix()
+
+
+def default_state_dir() -> str:
+    return "/var/lib/flexmig-lab" + _suffix()
+
+
+NETNS_PREFIX = lab_name() + "-"
 FABRIC_NETNS = NETNS_PREFIX + "fabric"
 MGMT_NET = ipaddress.IPv4Network("10.250.0.0/24")
 TENANT_NET = ipaddress.IPv4Network("10.251.0.0/24")

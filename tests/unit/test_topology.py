@@ -50,3 +50,17 @@ def test_qemu_conf_points_memory_backing_at_the_host_store():
     conf = daemon_config.qemu_conf(spec, "/lab/hosts/A/store")
     assert 'memory_backing_dir = "/lab/hosts/A/store"' in conf
     assert 'migration_address = "10.250.0.1"' in conf
+
+
+def test_lab_name_rejects_names_unfit_for_namespaces(monkeypatch):
+    monkeypatch.setenv("FLEXMIG_LAB_NAME", "Bad-Name")
+    with pytest.raises(exceptions.InvalidInput, match="FLEXMIG_LAB_NAME"):
+        topology.lab_name()
+
+
+def test_second_lab_gets_its_own_state_and_cgroups(monkeypatch):
+    monkeypatch.setenv("FLEXMIG_LAB_NAME", "t2")
+    assert topology.cgroup_parent() == "flexmig-t2"
+    assert topology.default_state_dir() == "/var/lib/flexmig-lab-t2"
+    monkeypatch.delenv("FLEXMIG_LAB_NAME")
+    assert topology.cgroup_parent() == "flexmig"
