@@ -12,6 +12,7 @@ import dataclasses
 import os
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Callable
 
 import libvirt
 
@@ -28,6 +29,9 @@ SAMPLE_TIMEOUT_PAD_S = 10.0
 DIRTYRATE_MODE = libvirt.VIR_DOMAIN_DIRTYRATE_MODE_PAGE_SAMPLING
 
 
+RamMappingReader = Callable[[str, int], tuple[str | None, int]]
+
+
 @dataclasses.dataclass(frozen=True)
 class MemoryFacts:
     ram_bytes: int
@@ -37,7 +41,7 @@ class MemoryFacts:
     postcopy_blocker: str | None
 
 
-def _guest_ram_mapping(pid: int, ram_bytes: int) -> tuple[str | None, int]:
+def guest_ram_mapping(pid: int, ram_bytes: int) -> tuple[str | None, int]:
     """(backing path or None, resident bytes) of the QEMU mapping that is guest RAM."""
     want_kb = ram_bytes // 1024
     path, size_kb = None, 0
@@ -57,12 +61,19 @@ def _fs_type(path: str) -> str:
     return commands.run(["stat", "-f", "-c", "%T", path]).stdout.strip()
 
 
-def memory_facts(dom: libvirt.virDomain, host: str) -> MemoryFacts:
+def _read_ram_mapping(vm: str, ram_bytes: int) -> tuple[str | None, int]:
+    pid = int(open(f"/run/libvirt/qemu/{vm}.pid", encoding="ascii").read())
+    return guest_ram_mapping(pid, ram_bytes)
+
+
+def memory_facts(
+    dom: libvirt.virDomain, host: str, ram_mapping: RamMappingReader = _read_ram_mapping
+) -> MemoryFacts:
+    """``ram_mapping`` reads QEMU's map: the agent passes its privileged reader."""
     with hypervisor.wrap_errors(host, f"read {dom.name()}'s definition"):
         root = ET.fromstring(dom.XMLDesc())
         ram_bytes = dom.maxMemory() * 1024
-    pid = int(open(f"/run/libvirt/qemu/{dom.name()}.pid", encoding="ascii").read())
-    path, resident = _guest_ram_mapping(pid, ram_bytes)
+    path, resident = ram_mapping(dom.name(), ram_bytes)
     blocker = None
     if root.find("devices/hostdev") is not None:
         blocker = "the VM has a passthrough device"

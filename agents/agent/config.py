@@ -98,7 +98,9 @@ agent_opts = [
     ),
 ]
 
-CONF = cfg.ConfigOpts()
+# The global object, as in every OpenStack service: oslo.privsep reads its
+# [privsep_agent] group from it.
+CONF = cfg.CONF
 CONF.register_opts(agent_opts, group="agent")
 
 

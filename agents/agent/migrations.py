@@ -19,7 +19,7 @@ from typing import Any
 
 from stevedore import driver
 
-from agents.agent import movers
+from agents.agent import movers, privileged
 from agents.agent.client import AgentClient
 from flexmig import exceptions, hypervisor, vm_facts
 from flexmig.modes.base import MigrationMode
@@ -150,7 +150,7 @@ class MigrationService:
             dom = hypervisor.find_domain(conn, vm)
             if dom is None or not dom.isActive():
                 raise exceptions.InvalidInput(what="VM", reason=f"{vm!r} is not running here")
-            mem = vm_facts.memory_facts(dom, self.host)
+            mem = vm_facts.memory_facts(dom, self.host, privileged.qemu_ram_mapping)
             samples = vm_facts.sample_dirty_pages(conn, dom, self.host, self.sample_seconds)
         facts = dest.agent.get("/v1/facts")
         link = self.link(dest)

@@ -11,8 +11,9 @@ import threading
 from typing import Any
 
 from oslo_config import cfg
+from oslo_privsep import daemon as privsep_daemon
 
-from agents.agent import api, auth, config, facts, movers
+from agents.agent import api, auth, config, facts, movers, privileged
 from agents.agent.client import AgentClient
 from agents.agent.migrations import Destination, MigrationService
 from agents.agent.split_store import ChunkFlusher, SplitStore
@@ -125,7 +126,7 @@ class Agent:
         stop = self.flush_stops.pop(body["vm"], None)
         if stop:
             stop.set()
-        self.store.cleanup(body["vm"])
+        self.store.cleanup(body["vm"], privileged.remove_split_cgroup)
         return 200, {"vm": body["vm"], "cleaned": True}
 
     def split_status(self, body: dict[str, Any], m: re.Match[str]) -> tuple[int, dict[str, Any]]:
@@ -200,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         conf(sys.argv[1:] if argv is None else argv, project="flexmig", prog="flexmig-agent")
         agent = Agent(conf)
+        privileged.start()
         servers = api.make_servers(
             conf.agent.listen_address,
             conf.agent.port,
@@ -207,7 +209,12 @@ def main(argv: list[str] | None = None) -> int:
             auth.Verifier(agent.key),
             agent.router,
         )
-    except (cfg.Error, exceptions.FlexMigError, OSError) as exc:
+    except (
+        cfg.Error,
+        exceptions.FlexMigError,
+        OSError,
+        privsep_daemon.FailedToDropPrivileges,
+    ) as exc:
         print(f"flexmig-agent: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")

@@ -23,6 +23,7 @@ import os
 import re
 import socket
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from flexmig import exceptions
@@ -102,10 +103,14 @@ class SplitStore:
         (group / "memory.limit_in_bytes").write_text(str(res["budget_bytes"]))
         (group / "cgroup.procs").write_text(str(pid))
 
-    def cleanup(self, vm: str) -> None:
+    def cleanup(self, vm: str, remove_cgroup: Callable[[str, str], None] | None = None) -> None:
+        """Drop the reservation and the VM's group (the agent passes its privileged remover)."""
         _check_name(vm)
         (self.reservations / f"{vm}.json").unlink(missing_ok=True)
-        group = self.cgroup_dir(vm)
+        (remove_cgroup or self._remove_cgroup)(self.cgroup_parent, vm)
+
+    def _remove_cgroup(self, cgroup_parent: str, vm: str) -> None:
+        group = CGROUP_MEMORY / cgroup_parent / socket.gethostname() / vm
         if group.exists():
             try:
                 group.rmdir()
