@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 
 from flexmig import exceptions
-from flexmig.lab import commands, daemon_config, netns, topology
+from flexmig.lab import commands, daemon_config, emulator, image, netns, topology
 from flexmig.lab.topology import HostSpec
 
 OVS_SCHEMA = "/usr/share/openvswitch/vswitch.ovsschema"
@@ -61,6 +61,7 @@ class LabHost:
         self.write_agent_conf(key_file, memory_budget_mb)
         binds = {target: str(self.dir / sub) for target, sub in PRIVATE_DIRS.items()}
         binds["/etc/hosts"] = str(self.dir / "hosts")
+        binds.update(emulator.host_binds(image.cache_dir()))
         self.ns.start(self.spec.hostname, binds)
         self._start_ovs()
         self._start_libvirt()

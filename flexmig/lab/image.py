@@ -20,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from flexmig import exceptions
-from flexmig.lab import commands
+from flexmig.lab import commands, emulator
 
 KERNEL_METAPACKAGE = "linux-image-cloud-amd64"
 GUEST_SRC = Path(__file__).parent / "guest"
@@ -177,6 +177,7 @@ def build(cache: Path | None = None) -> GuestImage:
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
             _stage_initramfs(Path(tmp), modules_dir)
             _pack_cpio(Path(tmp), initrd)
+    emulator.build(cache)
     return GuestImage(kernel=vmlinuz, initrd=initrd)
 
 
@@ -189,4 +190,5 @@ def existing() -> GuestImage:
         raise exceptions.MissingPrerequisite(
             what=f"guest image in {cache}", hint="run 'flexmig lab image build' (setup does)"
         )
+    emulator.host_binds(cache)  # raises the same way when the lab QEMU is missing
     return GuestImage(kernel=Path(kernels[-1]), initrd=Path(initrds[-1]))
