@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import ipaddress
 import struct
+import typing
 from collections.abc import Iterable, Iterator, Mapping
 
 from flexmig import exceptions
@@ -62,8 +63,7 @@ def _pad8(length: int) -> int:
 # ---------------------------------------------------------------- framing
 
 
-@dataclasses.dataclass(frozen=True)
-class Header:
+class Header(typing.NamedTuple):
     version: int
     msg_type: int
     length: int
@@ -247,7 +247,7 @@ def check_record(record: FlowRecord) -> None:
     for what, (value, low, high) in ranges.items():
         if not low <= value <= high:
             raise exceptions.InvalidInput(what=what, reason=f"{value} not in {low}..{high}")
-    if not 0 <= record.duration_s < 2**32:
+    if not 0 <= record.duration_s < 2**32 - 1:
         raise exceptions.InvalidInput(what="duration_s", reason=f"{record.duration_s}")
     unknown = set(record.match) - set(RECORD_FIELDS)
     if unknown:
@@ -276,8 +276,9 @@ def encode_output_instruction(out_port: int | None) -> bytes:
 
 def split_duration(duration_s: float) -> tuple[int, int]:
     """(duration_sec, duration_nsec) as flow statistics carry a duration."""
-    seconds = int(duration_s)
-    return seconds, min(int((duration_s - seconds) * 1e9), 999_999_999)
+    # Rounded, not truncated: 12.345 s must print as 12.345s, not 12.344999999s.
+    seconds, nanoseconds = divmod(round(duration_s * 1e9), 1_000_000_000)
+    return int(seconds), int(nanoseconds)
 
 
 def encode_flow_stats_entry(record: FlowRecord) -> bytes:

@@ -140,8 +140,10 @@ class Session:
     def _complete_message(self) -> bool:
         if len(self._inbuf) < ofp13.HEADER_LEN:
             return False
-        length = codec.parse_header(self._inbuf).length
-        return length < ofp13.HEADER_LEN or len(self._inbuf) >= length
+        header = codec.parse_header(self._inbuf)
+        if not self._version and header.msg_type != MsgType.HELLO:
+            return True  # refused on its header alone: no need to wait for a body
+        return header.length < ofp13.HEADER_LEN or len(self._inbuf) >= header.length
 
     def _handle_next_message(self) -> bool:
         """Answer one complete message; False if none is complete yet."""
