@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from ovs_ext.flow_record import FlowRecord
 from ovs_ext.openflow_stats import ofp13
-from ovs_ext.openflow_stats.codec import FIELD_NAMES, FlowStatsRequest, OxmTlv, match_value
+from ovs_ext.openflow_stats.codec import FIELD_NAMES, FlowStatsRequest, OxmTlv, match_fields
 
 
 def selects(request: FlowStatsRequest, record: FlowRecord) -> bool:
@@ -32,14 +32,19 @@ def selects(request: FlowStatsRequest, record: FlowRecord) -> bool:
 
 def _field_agrees(tlv: OxmTlv, record: FlowRecord) -> bool:
     name = FIELD_NAMES.get(tlv.field) if tlv.oxm_class == ofp13.OFPXMC_OPENFLOW_BASIC else None
-    if name is None or name not in record.match:
+    value = dict(match_fields(tuple(record.match.items()))).get(name) if name else None
+    if value is None:
         # The flow wildcards this field (FlowRecords carry no others), so it
         # is less specific than the request: not selected.
         return False
-    value = match_value(name, record.match[name])
     mask = tlv.mask if tlv.mask is not None else -1
     return (value ^ tlv.value) & mask == 0
 
 
 def select(request: FlowStatsRequest, records: Iterable[FlowRecord]) -> list[FlowRecord]:
+    if request == SELECT_ALL:  # what a plain dump-flows asks for
+        return list(records)
     return [record for record in records if selects(request, record)]
+
+
+SELECT_ALL = FlowStatsRequest()

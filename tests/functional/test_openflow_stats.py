@@ -374,3 +374,39 @@ def test_ovs_ofctl_is_the_real_one():
     version = subprocess.run([OVS_OFCTL, "--version"], capture_output=True, text=True, check=True)
     assert re.search(r"ovs-ofctl \(Open vSwitch\) 3\.", version.stdout)
     assert shutil.which("ovs-ofctl") == OVS_OFCTL
+
+
+def test_versions_other_than_10_and_13_fail_negotiation_naming_both(endpoint):
+    _, path = endpoint
+    result = ofctl("-O", "OpenFlow14", "dump-flows", f"unix:{path}", check=False)
+    assert result.returncode != 0
+    assert "peer supports versions 0x01, 0x04" in result.stderr
+
+
+def test_port_mod_and_packet_out_are_refused(endpoint):
+    _, path = endpoint
+    for args in (
+        ("mod-port", f"unix:{path}", "1", "down"),
+        ("-O", "OpenFlow13", "mod-port", f"unix:{path}", "1", "down"),
+        ("-O", "OpenFlow13", "packet-out", f"unix:{path}", "CONTROLLER", "output:1",
+         "ffffffffffff000000000001080045000014000100004006f9e50a0000010a000002"),
+    ):  # fmt: skip
+        result = ofctl(*args, check=False)
+        assert result.returncode != 0 and "OFPBRC_EPERM" in result.stderr
+
+
+def test_a_failing_record_source_closes_only_that_request(tmp_path):
+    path = str(tmp_path / "failing.mgmt")
+    calls = []
+
+    def records():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("flow manager not ready")
+        return RECORDS
+
+    with OpenFlowStatsServer(records, unix_socket=path):
+        first = ofctl("dump-flows", f"unix:{path}", check=False)
+        assert first.returncode != 0
+        second = ofctl("dump-flows", f"unix:{path}")
+        assert flows(second.stdout) == [expected_line(r) for r in RECORDS]
