@@ -228,10 +228,15 @@ def test_flow_mod_from_ovs_ofctl_is_refused_and_nothing_changes(endpoint, record
 
 def raw_client(path: str, versions=(4,)) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(10)
-    sock.connect(path)
-    sock.sendall(codec.encode_hello(versions))
-    assert codec.parse_header(receive(sock)).msg_type == ofp13.MsgType.HELLO
+    try:
+        sock.settimeout(10)
+        sock.connect(path)
+        sock.sendall(codec.encode_hello(versions))
+        hello = receive(sock)
+        assert hello and codec.parse_header(hello).msg_type == ofp13.MsgType.HELLO
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
