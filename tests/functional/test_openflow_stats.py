@@ -415,3 +415,13 @@ def test_a_failing_record_source_closes_only_that_request(tmp_path):
         assert first.returncode != 0
         second = ofctl("dump-flows", f"unix:{path}")
         assert flows(second.stdout) == [expected_line(r) for r in RECORDS]
+
+
+def test_show_and_dump_desc_describe_the_endpoint(endpoint):
+    _, path = endpoint
+    desc = ofctl("dump-desc", f"unix:{path}").stdout
+    assert "Manufacturer: FlexMig" in desc
+    for version in VERSIONS:
+        show = ofctl(*version, "show", f"unix:{path}").stdout
+        assert "capabilities: FLOW_STATS" in show
+        assert "1(vm1-tap)" in show and "2(phy0)" in show

@@ -19,6 +19,7 @@ import uuid
 import pytest
 from oslo_config import cfg
 
+from flexmig.lab import topology
 from ovs_ext.providers.base import IPPROTO_TCP, FlowMatch, OffloadEntry
 from ovs_ext.providers.tc_flower import TcFlowerProvider, probe
 from ovs_ext.providers.tc_flower.provider import PyRoute2Netlink
@@ -68,7 +69,8 @@ def test_offload_between_two_representors_in_hardware():
 
 @pytest.fixture
 def veth_netns():
-    name = f"{os.environ.get('FLEXMIG_LAB_NAME', 'fm')}-tcflower-{uuid.uuid4().hex[:6]}"
+    # Under this lab's prefix (FLEXMIG_LAB_NAME), never another lab's.
+    name = f"{topology.NETNS_PREFIX}tcflower-{uuid.uuid4().hex[:6]}"
     subprocess.run(["ip", "netns", "add", name], check=True, timeout=10)
     try:
         for cmd in (
