@@ -269,9 +269,20 @@ def _encoded_match(items: MatchItems) -> bytes:
     return MATCH_HEADER.pack(ofp13.OFPMT_OXM, length) + bytes(body) + bytes(_pad8(length) - length)
 
 
+def match_items(match: Mapping[str, int | str]) -> MatchItems:
+    """The cache key of a match; InvalidInput if a value is not hashable
+    (so not a valid field value either)."""
+    items = tuple(match.items())
+    try:
+        hash(items)
+    except TypeError as exc:
+        raise exceptions.InvalidInput(what="match", reason=str(exc)) from exc
+    return items
+
+
 def encode_match(match: Mapping[str, int | str]) -> bytes:
     """An OXM ``ofp_match`` (padded) for a FlowRecord's match."""
-    return _encoded_match(tuple(match.items()))
+    return _encoded_match(match_items(match))
 
 
 # ---------------------------------------------------------------- records
@@ -295,7 +306,7 @@ def check_record(record: FlowRecord) -> None:
         raise exceptions.InvalidInput(what="out_port", reason=f"{record.out_port} not in 1..65279")
     if not 0 <= record.duration_s < 2**32 - 1:
         raise exceptions.InvalidInput(what="duration_s", reason=f"{record.duration_s}")
-    match_fields(tuple(record.match.items()))
+    match_fields(match_items(record.match))
 
 
 @functools.lru_cache(maxsize=4096)

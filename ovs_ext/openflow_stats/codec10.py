@@ -162,7 +162,7 @@ def decode_match(raw: bytes) -> tuple[OxmTlv, ...]:
 
 def encode_match(match: Mapping[str, int | str]) -> bytes:
     """A FlowRecord's match as an OpenFlow 1.0 ofp_match."""
-    return _encoded_match(tuple(match.items()))
+    return _encoded_match(codec.match_items(match))
 
 
 @functools.lru_cache(maxsize=codec.MATCH_CACHE_SIZE)

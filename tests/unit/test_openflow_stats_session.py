@@ -176,11 +176,15 @@ def test_aggregate_sums_the_selected_flows():
     assert struct.unpack_from("!QQI", reply, 16) == (12, 1200, 2)
 
 
-def test_a_record_that_cannot_be_shown_does_not_hide_the_others():
-    bad = FlowRecord(0, 1, 3, {"tcp_dst": 80}, packets=1, bytes=1, duration_s=0)
+@pytest.mark.parametrize("match", [{"tcp_dst": 80}, {"in_port": [1]}, {"ipv4_dst": "::1"}])
+def test_a_record_that_cannot_be_shown_does_not_hide_the_others(match):
+    bad = FlowRecord(0, 1, 3, match, packets=1, bytes=1, duration_s=0)
     session = connected(records=[bad, *RECORDS])
     (reply,) = exchange(session, codec.encode_flow_stats_request(FlowStatsRequest(), xid=1))
     assert [e.cookie for e in codec.decode_flow_stats_entries(reply)] == [1, 2]
+    filtered = FlowStatsRequest(match=(OxmTlv(ofp13.OFPXMC_OPENFLOW_BASIC, 0, 1, None),))
+    (reply,) = exchange(session, codec.encode_flow_stats_request(filtered, xid=2))
+    assert [e.cookie for e in codec.decode_flow_stats_entries(reply)] == [1]
 
 
 def test_large_dump_is_produced_as_the_reader_takes_it():
