@@ -238,3 +238,13 @@ def test_non_openflow_bytes_are_refused_without_waiting_for_a_body():
     replies = exchange(session, b"GET / HTTP/1.1\r\n\r\n")  # "length" 0x5420 never arrives
     assert error_of(replies[1])[:2] == (0, 0)
     assert session.closing
+
+
+def test_of10_nicira_set_flow_format_is_refused_so_ovs_ofctl_falls_back():
+    session = connected(version=1)
+    # NXT_SET_FLOW_FORMAT: vendor 0x2320, subtype 12, format 2 (NXM)
+    nxt = codec.encode_message(codec10.MsgType.VENDOR, 6, struct.pack("!III", 0x2320, 12, 2), 1)
+    barrier = codec.encode_message(codec10.MsgType.BARRIER_REQUEST, 7, b"", 1)
+    error, reply = exchange(session, nxt, barrier)
+    assert error_of(error)[:2] == (1, ofp13.BadRequestCode.BAD_EXPERIMENTER)  # BAD_VENDOR
+    assert codec.parse_header(reply)[:2] == (1, codec10.MsgType.BARRIER_REPLY)
