@@ -425,3 +425,17 @@ def test_show_and_dump_desc_describe_the_endpoint(endpoint):
         show = ofctl(*version, "show", f"unix:{path}").stdout
         assert "capabilities: FLOW_STATS" in show
         assert "1(vm1-tap)" in show and "2(phy0)" in show
+
+
+@pytest.mark.parametrize("version", ["", "-O OpenFlow13"], ids=["default-OF1.0", "OF1.3"])
+def test_an_operator_at_a_terminal_sees_port_names(endpoint, version):
+    # On a terminal ovs-ofctl also asks for the port and table maps, even
+    # without a match; script(1) gives it one.
+    _, path = endpoint
+    command = f"{OVS_OFCTL} --timeout=10 {version} dump-flows unix:{path}"
+    result = subprocess.run(
+        ["script", "-qec", command, "/dev/null"],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    assert 'in_port="vm1-tap"' in result.stdout and "actions=output:phy0" in result.stdout
+    assert "n_packets=1234, n_bytes=1851000" in result.stdout
