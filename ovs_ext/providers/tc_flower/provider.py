@@ -67,6 +67,11 @@ CONFIG_OPTS = [
 ]
 
 
+def list_opts() -> list[tuple[str, list[cfg.Opt]]]:
+    """For oslo-config-generator."""
+    return [(GROUP, CONFIG_OPTS)]
+
+
 class TcNetlink(Protocol):
     """The few rtnetlink calls the provider makes (pyroute2 in production)."""
 
