@@ -172,6 +172,7 @@ class FakeKernel:
         self.sent: list[tuple[tuple, dict[int, bytes], int, int]] = []
         self.filters: dict[tuple[int, int], tuple[int, int]] = {}  # (ifindex, handle) -> counters
         self.refuse: NetlinkFailure | None = None
+        self.refuse_single_get = False
         self.ifindexes = {"rep1": 11, "rep2": 12, "uplink": 13}
 
     def ifindex(self, ifname):
@@ -191,6 +192,8 @@ class FakeKernel:
                     errno.ENOENT, "Filter with specified priority/protocol not found"
                 )
         elif msg_type == RTM_GETTFILTER:
+            if self.refuse_single_get and not flags & NLM_F_DUMP:
+                raise NetlinkFailure(errno.EBUSY, "Device or resource busy")
             return [
                 kernel_filter_reply(i, 10 if flags & NLM_F_DUMP else prio, h, *counters)
                 for (i, h), counters in self.filters.items()
@@ -305,6 +308,15 @@ def test_remove_returns_final_counters_and_deletes_the_filter():
     assert [(h[1], h[2], h[4] >> 16) for h, *_ in deletes] == [(11, 1, 10)]
     assert deletes[0][1][TCA_KIND] == b"flower\0"
     assert kernel.filters == {} and provider.stats() == {}
+
+
+def test_remove_falls_back_to_the_last_counters_seen_if_the_kernel_cannot_say():
+    provider, kernel = attached()
+    provider.install([OffloadEntry(TCP_FLOW, "rep2")])
+    kernel.filters[11, 1] = (42, 4200)
+    provider.stats()
+    kernel.refuse_single_get = True
+    assert provider.remove([TCP_FLOW]) == {TCP_FLOW: FlowCounters(42, 4200)}
 
 
 def test_a_filter_already_gone_counts_as_removed():

@@ -106,19 +106,30 @@ class PyRoute2Netlink:
         return self._ipr
 
     def ifindex(self, ifname: str) -> int | None:
-        found = self._socket().link_lookup(ifname=ifname)
+        try:
+            found = self._socket().link_lookup(ifname=ifname)
+        except (NetlinkError, OSError) as exc:
+            raise _failure(exc) from exc
         return found[0] if found else None
 
     def request(self, msg: object, msg_type: int, flags: int) -> list:
         try:
             return list(self._socket().nlm_request(msg, msg_type=msg_type, msg_flags=flags))
-        except NetlinkError as exc:
-            raise NetlinkFailure(exc.code, str(exc.args[-1])) from exc
+        except (NetlinkError, OSError) as exc:
+            raise _failure(exc) from exc
 
     def close(self) -> None:
         if self._ipr is not None:
             self._ipr.close()
             self._ipr = None
+
+
+def _failure(exc: Exception) -> NetlinkFailure:
+    """pyroute2's and the socket layer's errors as one type the provider handles."""
+    if isinstance(exc, NetlinkError):
+        return NetlinkFailure(exc.code, str(exc.args[-1]))
+    code = exc.errno if isinstance(exc, OSError) and exc.errno else errno.EIO
+    return NetlinkFailure(code, str(exc))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +158,9 @@ class TcFlowerProvider(base.OffloadProvider):
         self._ports: dict[str, int] = {}  # attached representor -> ifindex
         self._installed: dict[FlowMatch, _Filter] = {}
         self._next_handle: dict[int, int] = {}
+        # Counters each filter last showed: what remove() returns if the
+        # kernel cannot be read at that moment, so a total is never lost.
+        self._last_counters: dict[FlowMatch, FlowCounters] = {}
 
     def describe(self) -> ProviderDescription:
         facts = self._facts()
@@ -172,7 +186,10 @@ class TcFlowerProvider(base.OffloadProvider):
         if (allowed and ifname not in allowed) or not (allowed or self._is_representor(ifname)):
             raise OffloadError(provider=NAME, action=f"attach {ifname}",
                                reason="not a switchdev representor")  # fmt: skip
-        ifindex = self._netlink.ifindex(ifname)
+        try:
+            ifindex = self._netlink.ifindex(ifname)
+        except NetlinkFailure as exc:
+            raise OffloadError(provider=NAME, action=f"attach {ifname}", reason=str(exc)) from exc
         if ifindex is None:
             raise OffloadError(provider=NAME, action=f"attach {ifname}", reason="no such netdev")
         try:
@@ -247,7 +264,7 @@ class TcFlowerProvider(base.OffloadProvider):
             installed = self._installed.get(match)
             if installed is None:
                 continue
-            counters = self._read_one(installed)
+            counters = self._read_one(installed) or self._last_counters.get(match, FlowCounters())
             request = messages.filter_request(
                 installed.ifindex, self._opts.filter_priority, installed.handle
             )
@@ -258,10 +275,11 @@ class TcFlowerProvider(base.OffloadProvider):
                     LOG.error("tc-flower: could not remove %s: %s", match, exc)
                     continue
             del self._installed[match]
+            self._last_counters.pop(match, None)
             final[match] = counters
         return final
 
-    def _read_one(self, installed: _Filter) -> FlowCounters:
+    def _read_one(self, installed: _Filter) -> FlowCounters | None:
         request = messages.filter_request(
             installed.ifindex, self._opts.filter_priority, installed.handle
         )
@@ -269,12 +287,12 @@ class TcFlowerProvider(base.OffloadProvider):
             replies = self._netlink.request(request, RTM_GETTFILTER, NLM_F_REQUEST)
         except NetlinkFailure as exc:
             LOG.warning("tc-flower: no final counters for handle %#x: %s", installed.handle, exc)
-            return FlowCounters()
+            return None
         for reply in replies:
             state = messages.parse_filter(reply)
             if state is not None and state.handle == installed.handle:
                 return state.counters
-        return FlowCounters()
+        return None
 
     def stats(self) -> dict[FlowMatch, FlowCounters]:
         by_filter = {(f.ifindex, f.handle): m for m, f in self._installed.items()}
@@ -294,6 +312,7 @@ class TcFlowerProvider(base.OffloadProvider):
                 match = by_filter.get((ifindex, state.handle))
                 if match is not None:
                     found[match] = state.counters
+        self._last_counters.update(found)
         lost = set(self._installed) - set(found)
         if lost:
             LOG.warning("tc-flower: %d installed filters missing from the dump", len(lost))
