@@ -294,12 +294,14 @@ def check_counters(record: FlowRecord) -> None:
         ("bytes", record.bytes, UINT64_MAX),
     )
     for what, value, high in checks:
-        if not 0 <= value <= high:
-            raise exceptions.InvalidInput(what=what, reason=f"{value} not in 0..{high}")
-    if record.out_port is not None and not 1 <= record.out_port <= 0xFEFF:
-        raise exceptions.InvalidInput(what="out_port", reason=f"{record.out_port} not in 1..65279")
-    if not 0 <= record.duration_s < 2**32 - 1:
-        raise exceptions.InvalidInput(what="duration_s", reason=f"{record.duration_s}")
+        if type(value) is not int or not 0 <= value <= high:
+            raise exceptions.InvalidInput(what=what, reason=f"{value!r} not in 0..{high}")
+    out_port = record.out_port
+    if out_port is not None and (type(out_port) is not int or not 1 <= out_port <= 0xFEFF):
+        raise exceptions.InvalidInput(what="out_port", reason=f"{out_port!r} not in 1..65279")
+    duration = record.duration_s
+    if type(duration) not in (int, float) or not 0 <= duration < 2**32 - 1:
+        raise exceptions.InvalidInput(what="duration_s", reason=f"{duration!r}")
 
 
 def check_record(record: FlowRecord) -> None:
