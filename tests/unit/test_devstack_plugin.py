@@ -1,0 +1,490 @@
+"""The DevStack plugin's real plugin.sh phases, under bash, against a stand-in for DevStack.
+
+DevStack itself cannot run here.  ``tests/devstack_standin/functions`` implements
+the DevStack functions the plugin calls with DevStack's semantics, acting on a
+temporary tree (DEST, /etc/nova, qemu.conf, ...) and logging what would touch
+the host (run_process, sudo, restart_service).  Each phase runs in its own bash
+process, as stack.sh/unstack.sh/clean.sh source the plugin in separate runs.
+"""
+
+from __future__ import annotations
+
+import configparser
+import dataclasses
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from oslo_config import cfg
+
+from agents.agent import auth
+from agents.agent import config as agent_config
+
+REPO = Path(__file__).resolve().parents[2]
+STANDIN = REPO / "tests" / "devstack_standin" / "functions"
+
+NOVA_CONF = """[DEFAULT]
+compute_driver = libvirt.LibvirtDriver
+my_ip = 10.0.0.11
+
+[libvirt]
+virt_type = qemu
+live_migration_uri = qemu+ssh://stack@%s/system
+"""
+QEMU_CONF = """# qemu.conf as DevStack leaves it
+cgroup_device_acl = [ "/dev/null", "/dev/net/tun" ]
+vnc_tls = 1
+"""
+SERVICES = "key,n-api,n-cond,n-sch,n-cpu,placement-api,ovs-vswitchd,ovsdb-server,q-svc,q-agt"
+MOVER_MAKEFILE = "all:\n\tmkdir -p build && touch build/flexmig-mover\nclean:\n\trm -rf build\n"
+SYSCTL_STUB = """#!/bin/bash
+# sysctl for the stand-in: one key, its value kept in STANDIN_STATE.
+state=$STANDIN_STATE/vm.unprivileged_userfaultfd
+case "$1" in
+    -n) [[ $2 == vm.unprivileged_userfaultfd ]] || exit 255; cat "$state" ;;
+    -w) [[ $2 == vm.unprivileged_userfaultfd=* ]] || exit 255; echo "${2#*=}" >"$state" ;;
+    *) exit 2 ;;
+esac
+"""
+DRIVER = """set -o errexit -o nounset
+source "$STANDIN_FUNCTIONS"
+eval "$STANDIN_LOCALRC"
+enable_plugin flexmig
+load_plugin_settings
+for step in "$@"; do
+    run_plugins "${step%%:*}" "${step#*:}"
+done
+"""
+
+
+@dataclasses.dataclass
+class Stack:
+    """A temporary DevStack node: its tree, environment and command log."""
+
+    root: Path
+    env: dict[str, str]
+
+    def path(self, name: str) -> Path:
+        return Path(self.env[name])
+
+    def run(self, *steps: str, localrc: str = "", check: bool = True):
+        env = dict(self.env, STANDIN_LOCALRC=localrc)
+        proc = subprocess.run(
+            ["bash", "-c", DRIVER, "driver", *steps],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        if check and proc.returncode != 0:
+            raise AssertionError(f"{steps} failed:\n{proc.stdout}\n{proc.stderr}")
+        return proc
+
+    def log(self) -> list[list[str]]:
+        log = self.path("STANDIN_LOG")
+        if not log.exists():
+            return []
+        return [line.split("\t") for line in log.read_text().splitlines()]
+
+    def calls(self, name: str) -> list[list[str]]:
+        return [entry[1:] for entry in self.log() if entry[0] == name]
+
+    def snapshot(self) -> dict[str, bytes]:
+        """Every file under the tree except the plugin's own checkout and the log."""
+        files = {}
+        for path in sorted(self.root.rglob("*")):
+            rel = str(path.relative_to(self.root))
+            if path.is_file() and not rel.startswith(("opt/stack/flexmig/devstack", "log")):
+                files[rel] = path.read_bytes()
+        return files
+
+
+def ini(path: Path) -> configparser.RawConfigParser:
+    # DEFAULT as a section like any other: its options must not show up in others.
+    parser = configparser.RawConfigParser(strict=False, default_section="no default section")
+    parser.read_string(path.read_text())
+    return parser
+
+
+@pytest.fixture
+def stack(tmp_path: Path) -> Stack:
+    dest = tmp_path / "opt" / "stack"
+    checkout = dest / "flexmig"
+    shutil.copytree(REPO / "devstack", checkout / "devstack")
+    (checkout / "agents" / "mover").mkdir(parents=True)
+    (checkout / "agents" / "mover" / "Makefile").write_text(MOVER_MAKEFILE)
+    (dest / "data").mkdir()
+    nova_conf = tmp_path / "etc" / "nova" / "nova.conf"
+    nova_conf.parent.mkdir(parents=True)
+    nova_conf.write_text(NOVA_CONF)
+    qemu_conf = tmp_path / "etc" / "libvirt" / "qemu.conf"
+    qemu_conf.parent.mkdir(parents=True)
+    qemu_conf.write_text(QEMU_CONF)
+    qemu_conf.chmod(0o600)
+    (tmp_path / "etc" / "sysctl.d").mkdir()
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sysctl").write_text(SYSCTL_STUB)
+    (bin_dir / "sysctl").chmod(0o755)
+    state = tmp_path / "state"
+    state.mkdir()
+    (state / "vm.unprivileged_userfaultfd").write_text("0\n")
+    env = {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "HOME": str(tmp_path),
+        "STANDIN_FUNCTIONS": str(STANDIN),
+        "STANDIN_LOG": str(tmp_path / "log"),
+        "STANDIN_STATE": str(state),
+        "DEST": str(dest),
+        "DATA_DIR": str(dest / "data"),
+        "STACK_USER": os.environ.get("USER") or subprocess.getoutput("id -un"),
+        "HOST_IP": "10.0.0.11",
+        "NOVA_CONF": str(nova_conf),
+        "QEMU_CONF": str(qemu_conf),
+        "SYSTEMD_DIR": str(tmp_path / "systemd"),
+        "PYTHON": sys.executable,
+        "GLOBAL_VENV": "True",
+        "DEVSTACK_VENV": str(dest / "data" / "venv"),
+        "ENABLED_SERVICES": SERVICES,
+        "VERBOSE": "False",
+        "FLEXMIG_CONF_DIR": str(tmp_path / "etc" / "flexmig"),
+        "FLEXMIG_STATE_DIR": str(tmp_path / "run" / "flexmig"),
+        "FLEXMIG_STORE_DIR": str(tmp_path / "var" / "lib" / "libvirt" / "qemu" / "ram"),
+        "FLEXMIG_LIBVIRT_HOOK": str(
+            tmp_path / "etc" / "libvirt" / "hooks" / "qemu.d" / "50-flexmig"
+        ),
+        "FLEXMIG_SYSCTL_FILE": str(tmp_path / "etc" / "sysctl.d" / "60-flexmig.conf"),
+    }
+    return Stack(tmp_path, env)
+
+
+def conf_dir(stack: Stack) -> Path:
+    return stack.path("FLEXMIG_CONF_DIR")
+
+
+def mem_total_mib() -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith("MemTotal:"):
+            return int(line.split()[1]) // 1024
+    raise AssertionError("no MemTotal")
+
+
+# -- install ------------------------------------------------------------------
+
+
+def test_install_installs_flexmig_and_builds_the_mover_and_writes_no_config(stack):
+    before = stack.snapshot()
+    stack.run("stack:install")
+    checkout = stack.path("DEST") / "flexmig"
+    assert stack.calls("setup_develop") == [[str(checkout), ""]]
+    assert (checkout / "agents" / "mover" / "build" / "flexmig-mover").exists()
+    after = stack.snapshot()
+    assert after.pop("opt/stack/flexmig/agents/mover/build/flexmig-mover") == b""
+    assert after == before
+    assert not conf_dir(stack).exists()
+
+
+# -- post-config --------------------------------------------------------------
+
+
+def test_post_config_points_nova_at_flexmig_with_every_option(stack):
+    stack.run("stack:install", "stack:post-config")
+    nova = ini(stack.path("NOVA_CONF"))
+    assert nova["DEFAULT"]["compute_driver"] == "nova_driver.driver.FlexMigLibvirtDriver"
+    assert dict(nova["flexmig"]) == {
+        "agent_port": "9797",
+        "agent_key_file": str(conf_dir(stack) / "agent.key"),
+        "agent_timeout": "30",
+        "max_downtime_ms": "300",
+        "allowed_modes": "precopy,postcopy,split",
+    }
+    # Split: file-backed memory (Nova needs no RAM overcommit for it); postcopy.
+    assert nova["libvirt"]["file_backed_memory"] == str(mem_total_mib())
+    assert nova["DEFAULT"]["ram_allocation_ratio"] == "1.0"
+    assert nova["libvirt"]["live_migration_permit_post_copy"] == "True"
+    # What DevStack wrote stays.
+    assert nova["DEFAULT"]["my_ip"] == "10.0.0.11"
+    assert nova["libvirt"]["live_migration_uri"] == "qemu+ssh://stack@%s/system"
+
+
+def test_post_config_writes_an_agent_config_the_agent_accepts(stack):
+    stack.run("stack:install", "stack:post-config")
+    conf = cfg.ConfigOpts()
+    conf.register_opts(agent_config.agent_opts, group="agent")
+    conf(["--config-file", str(conf_dir(stack) / "agent.conf")], project="flexmig-test")
+    assert conf.agent.listen_address == "10.0.0.11"
+    assert conf.agent.port == 9797
+    assert conf.agent.key_file == str(conf_dir(stack) / "agent.key")
+    assert conf.agent.store_dir == stack.env["FLEXMIG_STORE_DIR"]
+    assert conf.agent.state_dir == stack.env["FLEXMIG_STATE_DIR"]
+    assert conf.agent.unix_socket == stack.env["FLEXMIG_STATE_DIR"] + "/agent.sock"
+    assert conf.agent.max_downtime_ms == 300
+    assert conf.agent.memory_budget_mb == 0
+    assert conf.agent.cgroup_parent == "flexmig"
+    assert conf.agent.libvirt_uri == "qemu:///system"
+
+
+def test_generated_key_is_private_to_the_stack_user_and_generated_once(stack):
+    stack.run("stack:install", "stack:post-config")
+    key_file = conf_dir(stack) / "agent.key"
+    mode = key_file.stat()
+    assert stat.S_IMODE(mode.st_mode) == 0o600
+    assert mode.st_uid == os.getuid()
+    key = auth.load_key(str(key_file))
+    assert len(key) == 64 and int(key, 16) >= 0
+    stack.run("stack:post-config")
+    assert auth.load_key(str(key_file)) == key
+
+
+def test_key_from_a_distributed_file_is_the_same_on_every_node(stack, tmp_path):
+    source = tmp_path / "gate-agent.key"
+    source.write_text("0123456789abcdef0123456789abcdef\n")
+    source.chmod(0o600)
+    stack.env["FLEXMIG_AGENT_KEY_SOURCE"] = str(source)
+    stack.run("stack:install", "stack:post-config")
+    key_file = conf_dir(stack) / "agent.key"
+    assert key_file.read_text() == "0123456789abcdef0123456789abcdef\n"
+    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+
+
+def test_key_from_a_devstack_variable(stack):
+    stack.run("stack:post-config", localrc="FLEXMIG_AGENT_KEY=" + "ab" * 20)
+    assert (conf_dir(stack) / "agent.key").read_text() == "ab" * 20 + "\n"
+
+
+def test_split_configures_libvirt_and_the_hook(stack):
+    stack.run("stack:install", "stack:post-config")
+    store = stack.env["FLEXMIG_STORE_DIR"]
+    qemu_conf = stack.path("QEMU_CONF").read_text()
+    assert qemu_conf.startswith(QEMU_CONF)
+    assert f'\nmemory_backing_dir = "{store}"\n' in qemu_conf
+    hook = stack.path("FLEXMIG_LIBVIRT_HOOK")
+    assert stat.S_IMODE(hook.stat().st_mode) == 0o755
+    text = hook.read_text()
+    assert f"FLEXMIG_STORE_DIR={store}" in text
+    assert f"FLEXMIG_STATE_DIR={stack.env['FLEXMIG_STATE_DIR']}" in text
+    assert f'exec {sys.executable} -m agents.agent.libvirt_hook "$@"' in text
+    assert Path(store).is_dir()
+    assert stack.calls("restart_service") == [["libvirtd"]]
+
+
+def test_postcopy_allows_unprivileged_userfaultfd(stack):
+    stack.run("stack:install", "stack:post-config")
+    assert ["sysctl", "-w", "vm.unprivileged_userfaultfd=1"] in stack.calls("sudo")
+    assert (stack.path("STANDIN_STATE") / "vm.unprivileged_userfaultfd").read_text() == "1\n"
+    assert "vm.unprivileged_userfaultfd = 1" in stack.path("FLEXMIG_SYSCTL_FILE").read_text()
+
+
+def test_post_config_writes_offload_config_and_policy(stack):
+    stack.run("stack:install", "stack:post-config")
+    offload = ini(conf_dir(stack) / "offload.conf")
+    policy = conf_dir(stack) / "offload-policy.yaml"
+    assert dict(offload["offload"]) == {
+        "provider": "xdp",
+        "policy_file": str(policy),
+        "bridge": "br-int",
+    }
+    example = REPO / "devstack" / "files" / "offload-policy.example.yaml"
+    assert policy.read_text() == example.read_text()
+
+
+def test_second_post_config_changes_nothing(stack):
+    stack.run("stack:install", "stack:post-config")
+    first = stack.snapshot()
+    stack.run("stack:post-config")
+    assert stack.snapshot() == first
+
+
+def test_only_the_allowed_modes_touch_libvirt_and_the_kernel(stack):
+    stack.run("stack:install", "stack:post-config", localrc="FLEXMIG_ALLOWED_MODES=precopy")
+    nova = ini(stack.path("NOVA_CONF"))
+    assert nova["flexmig"]["allowed_modes"] == "precopy"
+    assert not nova.has_option("libvirt", "file_backed_memory")
+    assert not nova.has_option("libvirt", "live_migration_permit_post_copy")
+    assert stack.path("QEMU_CONF").read_text() == QEMU_CONF
+    assert not stack.path("FLEXMIG_LIBVIRT_HOOK").exists()
+    assert not stack.path("FLEXMIG_SYSCTL_FILE").exists()
+    assert stack.calls("restart_service") == []
+
+
+def test_node_without_nova_compute_gets_no_agent_and_no_nova_changes(stack):
+    stack.env["ENABLED_SERVICES"] = "key,n-api,n-sch,placement-api,ovs-vswitchd,q-svc"
+    stack.run("stack:install", "stack:post-config", "stack:extra")
+    assert stack.path("NOVA_CONF").read_text() == NOVA_CONF
+    assert not (conf_dir(stack) / "agent.conf").exists()
+    assert [c[0] for c in stack.calls("run_process")] == ["flexmig-offload"]
+
+
+def test_disabled_offload_is_neither_configured_nor_started(stack):
+    stack.run(
+        "stack:install",
+        "stack:post-config",
+        "stack:extra",
+        localrc="disable_service flexmig-offload",
+    )
+    assert not (conf_dir(stack) / "offload.conf").exists()
+    assert [c[0] for c in stack.calls("run_process")] == ["flexmig-agent"]
+
+
+# -- extra, unstack, clean ----------------------------------------------------
+
+
+def test_extra_starts_agent_and_offload_with_their_configs(stack):
+    stack.run("stack:install", "stack:post-config", "stack:extra")
+    bin_dir = Path(stack.env["DEVSTACK_VENV"]) / "bin"
+    assert stack.calls("run_process") == [
+        [
+            "flexmig-agent",
+            f"{bin_dir}/flexmig-agent --config-file {conf_dir(stack)}/agent.conf",
+            "",
+            "root",
+        ],
+        [
+            "flexmig-offload",
+            f"{bin_dir}/flexmig-offload --config-file {conf_dir(stack)}/offload.conf",
+            "",
+            "root",
+        ],
+    ]
+    unit = ini(stack.root / "systemd" / "devstack@flexmig-agent.service")
+    assert unit["Service"]["User"] == "root"
+    assert stack.path("FLEXMIG_STATE_DIR").is_dir()
+
+
+def test_unstack_stops_what_extra_started(stack):
+    stack.run("stack:install", "stack:post-config", "stack:extra")
+    stack.run("unstack:")
+    assert stack.calls("stop_process") == [["flexmig-agent"], ["flexmig-offload"]]
+    assert not list(stack.path("STANDIN_STATE").glob("*.started"))
+
+
+def test_clean_removes_everything_install_and_post_config_created(stack):
+    before = stack.snapshot()
+    stack.run("stack:install", "stack:post-config", "stack:extra")
+    stack.run("unstack:")
+    stack.run("clean:")
+    after = stack.snapshot()
+    nova_after = ini(stack.path("NOVA_CONF"))
+    nova_before = configparser.RawConfigParser(default_section="no default section")
+    nova_before.read_string(NOVA_CONF)
+    assert {s: dict(nova_after[s]) for s in nova_after.sections()} == {
+        s: dict(nova_before[s]) for s in nova_before.sections()
+    }
+    del before["etc/nova/nova.conf"], after["etc/nova/nova.conf"]
+    # The systemd unit is DevStack's to remove (clean.sh deletes devstack@*).
+    after.pop("systemd/devstack@flexmig-agent.service")
+    after.pop("systemd/devstack@flexmig-offload.service")
+    assert after == before
+    for created in ("FLEXMIG_CONF_DIR", "FLEXMIG_STATE_DIR", "FLEXMIG_STORE_DIR"):
+        assert not stack.path(created).exists(), created
+    assert not (stack.path("DATA_DIR") / "flexmig").exists()
+    assert stack.calls("pip_uninstall") == [["flexmig"]]
+
+
+def test_clean_keeps_a_store_directory_it_did_not_create(stack):
+    store = stack.path("FLEXMIG_STORE_DIR")
+    store.mkdir(parents=True)
+    (store / "other-vm.ram").write_text("x")
+    stack.run("stack:install", "stack:post-config")
+    stack.run("clean:")
+    assert (store / "other-vm.ram").read_text() == "x"
+
+
+def test_all_stack_phases_in_one_process_as_stack_sh_runs_them(stack):
+    stack.run(
+        "stack:pre-install",
+        "stack:install",
+        "stack:post-config",
+        "stack:extra",
+        "stack:test-config",
+    )
+    assert [c[0] for c in stack.calls("run_process")] == ["flexmig-agent", "flexmig-offload"]
+    assert ini(stack.path("NOVA_CONF"))["flexmig"]["allowed_modes"] == "precopy,postcopy,split"
+
+
+# -- bad settings ---------------------------------------------------------------
+
+BAD_SETTINGS = [
+    ("FLEXMIG_MAX_DOWNTIME_MS=abc", "FLEXMIG_MAX_DOWNTIME_MS='abc'"),
+    ("FLEXMIG_MAX_DOWNTIME_MS=0", "FLEXMIG_MAX_DOWNTIME_MS='0'"),
+    ("FLEXMIG_ALLOWED_MODES=precopy,turbo", "'turbo' is not a migration mode"),
+    ("FLEXMIG_ALLOWED_MODES=precopy,precopy", "'precopy' is listed twice"),
+    ("FLEXMIG_ALLOWED_MODES=,", "'' is not a migration mode"),
+    ("FLEXMIG_AGENT_PORT=70000", "FLEXMIG_AGENT_PORT='70000'"),
+    ("FLEXMIG_AGENT_TIMEOUT=0", "FLEXMIG_AGENT_TIMEOUT='0'"),
+    ("FLEXMIG_OFFLOAD_PROVIDER=dpdk", "FLEXMIG_OFFLOAD_PROVIDER='dpdk'"),
+    ("FLEXMIG_FILE_BACKED_MEMORY_MB=lots", "FLEXMIG_FILE_BACKED_MEMORY_MB='lots'"),
+    ("FLEXMIG_AGENT_KEY=short", "FLEXMIG_AGENT_KEY: must be at least 32 hex digits"),
+    ("FLEXMIG_AGENT_KEY_SOURCE=/nonexistent/key", "FLEXMIG_AGENT_KEY_SOURCE='/nonexistent/key'"),
+    ("FLEXMIG_AGENT_KEY_GENERATE=False", "no agent key"),
+    ("HOST_IP=; FLEXMIG_AGENT_LISTEN_ADDRESS=", "FLEXMIG_AGENT_LISTEN_ADDRESS=''"),
+    ("FLEXMIG_STORE_DIR=relative/store", "FLEXMIG_STORE_DIR='relative/store'"),
+]
+
+
+@pytest.mark.parametrize("phase", ["stack:install", "stack:post-config"])
+@pytest.mark.parametrize(("localrc", "message"), BAD_SETTINGS)
+def test_bad_setting_fails_clearly_before_anything_changes(stack, phase, localrc, message):
+    before = stack.snapshot()
+    proc = stack.run(phase, localrc=localrc, check=False)
+    assert proc.returncode != 0
+    assert "[ERROR]" in proc.stderr and "nothing was changed" in proc.stderr
+    assert message in proc.stderr
+    assert stack.snapshot() == before
+    assert not any(entry[0] in ("setup_develop", "run_process") for entry in stack.log())
+
+
+def test_all_bad_settings_are_reported_at_once(stack):
+    proc = stack.run(
+        "stack:post-config",
+        localrc="FLEXMIG_AGENT_PORT=x FLEXMIG_ALLOWED_MODES=fast",
+        check=False,
+    )
+    assert "FLEXMIG_AGENT_PORT='x'" in proc.stderr
+    assert "'fast' is not a migration mode" in proc.stderr
+
+
+def test_someone_elses_hook_stops_split_before_anything_changes(stack):
+    hook = stack.path("FLEXMIG_LIBVIRT_HOOK")
+    hook.parent.mkdir(parents=True)
+    hook.write_text("#!/bin/sh\nexit 0\n")
+    before = stack.snapshot()
+    proc = stack.run("stack:post-config", check=False)
+    assert proc.returncode != 0
+    assert "exists and is not FlexMig's" in proc.stderr
+    assert stack.snapshot() == before
+
+
+def test_another_memory_backing_dir_stops_split_before_anything_changes(stack):
+    stack.path("QEMU_CONF").write_text(QEMU_CONF + 'memory_backing_dir = "/srv/ram"\n')
+    before = stack.snapshot()
+    proc = stack.run("stack:post-config", check=False)
+    assert proc.returncode != 0
+    assert "already sets 'memory_backing_dir = \"/srv/ram\"'" in proc.stderr
+    assert stack.snapshot() == before
+
+
+def test_an_equal_memory_backing_dir_of_the_operator_is_kept_as_is(stack):
+    own = QEMU_CONF + f'memory_backing_dir = "{stack.env["FLEXMIG_STORE_DIR"]}"\n'
+    stack.path("QEMU_CONF").write_text(own)
+    stack.run("stack:post-config")
+    assert stack.path("QEMU_CONF").read_text() == own
+    stack.run("clean:")
+    assert stack.path("QEMU_CONF").read_text() == own
+
+
+def test_plugin_does_nothing_when_its_services_are_disabled(stack):
+    before = stack.snapshot()
+    stack.run(
+        "stack:install",
+        "stack:post-config",
+        "stack:extra",
+        localrc="disable_service flexmig-agent flexmig-offload",
+    )
+    assert stack.snapshot() == before
+    assert stack.log() == []
