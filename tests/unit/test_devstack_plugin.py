@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import configparser
 import os
+import re
 import stat
 import sys
 from pathlib import Path
@@ -353,3 +354,18 @@ def test_plugin_does_nothing_when_its_services_are_disabled(stack):
     )
     assert stack.snapshot() == before
     assert stack.log() == []
+
+
+def test_every_setting_is_documented_with_its_default():
+    settings = (REPO / "devstack" / "settings").read_text()
+    defaults = re.findall(
+        r"^(FLEXMIG_\w+)=(?:\$\{\1:-(.*)\}|\$\(trueorfalse (\w+) \1\))$", settings, re.MULTILINE
+    )
+    names = re.findall(r"^(FLEXMIG_\w+)=", settings, re.MULTILINE)
+    assert len(defaults) == len(names) > 20
+    readme = (REPO / "devstack" / "README.rst").read_text()
+    for name, default, boolean in defaults:
+        shown = (boolean or default).replace("${HOST_IP:-}", "$HOST_IP")
+        assert f"``{name}`` (``{shown}``)" in readme or (
+            not shown and f"``{name}`` (empty)" in readme
+        ), name
