@@ -124,11 +124,46 @@ function _flexmig_check_names {
         _flexmig_bad "FLEXMIG_AGENT_LISTEN_ADDRESS='$FLEXMIG_AGENT_LISTEN_ADDRESS': must be" \
             "this host's management IP address (default: HOST_IP)"
     fi
+    if [[ -n $FLEXMIG_OFFLOAD_UPLINKS && ! $FLEXMIG_OFFLOAD_UPLINKS =~ ^[A-Za-z0-9_.:-]{1,15}(,[A-Za-z0-9_.:-]{1,15})*$ ]]; then
+        _flexmig_bad "FLEXMIG_OFFLOAD_UPLINKS='$FLEXMIG_OFFLOAD_UPLINKS': port names," \
+            "comma-separated, no spaces"
+    fi
+    if [[ -z $FLEXMIG_OFFLOAD_VM_PORT_PATTERNS || $FLEXMIG_OFFLOAD_VM_PORT_PATTERNS =~ [[:space:]] ]]; then
+        _flexmig_bad "FLEXMIG_OFFLOAD_VM_PORT_PATTERNS='$FLEXMIG_OFFLOAD_VM_PORT_PATTERNS':" \
+            "regular expressions, comma-separated, no spaces"
+    fi
+    if [[ -n $FLEXMIG_OFFLOAD_STATS_ENDPOINT && $FLEXMIG_OFFLOAD_STATS_ENDPOINT != /* ]]; then
+        _flexmig_bad "FLEXMIG_OFFLOAD_STATS_ENDPOINT='$FLEXMIG_OFFLOAD_STATS_ENDPOINT':" \
+            "an absolute path, or empty for none"
+    fi
     local name
     for name in FLEXMIG_DIR FLEXMIG_CONF_DIR FLEXMIG_DATA_DIR FLEXMIG_STATE_DIR \
         FLEXMIG_STORE_DIR FLEXMIG_AGENT_KEY_FILE FLEXMIG_LIBVIRT_HOOK FLEXMIG_SYSCTL_FILE; do
         if [[ ${!name} != /* ]]; then
             _flexmig_bad "$name='${!name}': must be an absolute path"
+        fi
+    done
+}
+
+# flexmig-offload replaces its bridge's OpenFlow controllers and sets
+# fail-mode standalone: on the bridge Neutron's agent (ML2/OVS) or
+# ovn-controller manages, that would cut their connection, and without a
+# controller a standalone bridge switches everything (past the security groups).
+function _flexmig_check_offload_bridge {
+    if [[ $FLEXMIG_OFFLOAD_CONFIGURE_BRIDGE != True ]]; then
+        return 0
+    fi
+    if [[ $FLEXMIG_OFFLOAD_BRIDGE != br-int && $FLEXMIG_OFFLOAD_BRIDGE != "${OVS_BRIDGE:-br-int}" ]]; then
+        return 0
+    fi
+    local agent
+    for agent in q-agt neutron-agent ovn-controller; do
+        if is_service_enabled $agent; then
+            _flexmig_bad "flexmig-offload would take over $FLEXMIG_OFFLOAD_BRIDGE, which $agent" \
+                "manages (it replaces the bridge's controllers, fail-mode standalone): give it" \
+                "another FLEXMIG_OFFLOAD_BRIDGE, or set FLEXMIG_OFFLOAD_CONFIGURE_BRIDGE=False" \
+                "and connect the bridge yourself, or disable_service flexmig-offload"
+            return 0
         fi
     done
 }
@@ -184,8 +219,11 @@ function flexmig_check_settings {
     _flexmig_check_numbers
     _flexmig_check_names
     _flexmig_check_key
-    if is_service_enabled flexmig-offload && [[ ! -f $FLEXMIG_OFFLOAD_POLICY_SOURCE ]]; then
-        _flexmig_bad "FLEXMIG_OFFLOAD_POLICY_SOURCE='$FLEXMIG_OFFLOAD_POLICY_SOURCE': no such file"
+    if is_service_enabled flexmig-offload; then
+        if [[ ! -f $FLEXMIG_OFFLOAD_POLICY_SOURCE ]]; then
+            _flexmig_bad "FLEXMIG_OFFLOAD_POLICY_SOURCE='$FLEXMIG_OFFLOAD_POLICY_SOURCE': no such file"
+        fi
+        _flexmig_check_offload_bridge
     fi
     if [[ ${#_flexmig_errors[@]} -eq 0 ]] && _flexmig_compute_node && _flexmig_mode_allowed split; then
         _flexmig_check_split_host
@@ -342,6 +380,11 @@ function _flexmig_configure_offload {
     iniset "$FLEXMIG_OFFLOAD_CONF" offload provider "$FLEXMIG_OFFLOAD_PROVIDER"
     iniset "$FLEXMIG_OFFLOAD_CONF" offload policy_file "$FLEXMIG_OFFLOAD_POLICY"
     iniset "$FLEXMIG_OFFLOAD_CONF" offload bridge "$FLEXMIG_OFFLOAD_BRIDGE"
+    iniset "$FLEXMIG_OFFLOAD_CONF" offload configure_bridge "$FLEXMIG_OFFLOAD_CONFIGURE_BRIDGE"
+    iniset "$FLEXMIG_OFFLOAD_CONF" offload vm_port_patterns "$FLEXMIG_OFFLOAD_VM_PORT_PATTERNS"
+    iniset "$FLEXMIG_OFFLOAD_CONF" offload uplinks "$FLEXMIG_OFFLOAD_UPLINKS"
+    iniset "$FLEXMIG_OFFLOAD_CONF" offload stats_endpoint "$FLEXMIG_OFFLOAD_STATS_ENDPOINT"
+    iniset "$FLEXMIG_OFFLOAD_CONF" offload status_file "$FLEXMIG_STATE_DIR/offload-status.json"
 }
 
 function configure_flexmig {
@@ -376,8 +419,8 @@ function configure_flexmig {
 function start_flexmig {
     local bin_dir
     bin_dir=$(get_python_exec_prefix)
+    _flexmig_make_dir "$FLEXMIG_STATE_DIR"
     if _flexmig_compute_node; then
-        _flexmig_make_dir "$FLEXMIG_STATE_DIR"
         run_process flexmig-agent "$bin_dir/flexmig-agent --config-file $FLEXMIG_AGENT_CONF" \
             "" "$FLEXMIG_AGENT_USER"
     fi

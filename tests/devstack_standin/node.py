@@ -31,7 +31,9 @@ QEMU_CONF = """# qemu.conf as DevStack leaves it
 cgroup_device_acl = [ "/dev/null", "/dev/net/tun" ]
 vnc_tls = 1
 """
-SERVICES = "key,n-api,n-cond,n-sch,n-cpu,placement-api,ovs-vswitchd,ovsdb-server,q-svc,q-agt"
+# A compute node with OVS but no Neutron L2 agent on br-int (see
+# _flexmig_check_offload_bridge), flexmig-offload enabled as local.conf would.
+SERVICES = "key,n-api,n-cond,n-sch,n-cpu,placement-api,ovs-vswitchd,ovsdb-server,flexmig-offload"
 MOVER_MAKEFILE = "all:\n\tmkdir -p build && touch build/flexmig-mover\nclean:\n\trm -rf build\n"
 SYSCTL_STUB = """#!/bin/bash
 # sysctl for the stand-in: one key, its value kept in STANDIN_STATE.

@@ -21,7 +21,15 @@ from oslo_config import cfg
 
 from agents.agent import auth
 from agents.agent import config as agent_config
-from tests.devstack_standin.node import NOVA_CONF, QEMU_CONF, REPO, Stack, ini, make_stack
+from tests.devstack_standin.node import (
+    NOVA_CONF,
+    QEMU_CONF,
+    REPO,
+    SERVICES,
+    Stack,
+    ini,
+    make_stack,
+)
 
 
 @pytest.fixture
@@ -154,9 +162,57 @@ def test_post_config_writes_offload_config_and_policy(stack):
         "provider": "xdp",
         "policy_file": str(policy),
         "bridge": "br-int",
+        "configure_bridge": "True",
+        "vm_port_patterns": "tap[0-9a-f]{8}-[0-9a-f]{2}",
+        "uplinks": "",
+        "stats_endpoint": "/var/run/openvswitch/br-int-offload.mgmt",
+        "status_file": stack.env["FLEXMIG_STATE_DIR"] + "/offload-status.json",
     }
     example = REPO / "devstack" / "files" / "offload-policy.example.yaml"
     assert policy.read_text() == example.read_text()
+
+
+def test_offload_config_and_policy_are_what_the_offload_service_accepts(stack):
+    offload_config = pytest.importorskip(
+        "ovs_ext.config", reason="ovs_ext.config (the OVS extension, branch ovs) not here yet"
+    )
+    policy = pytest.importorskip(
+        "ovs_ext.policy", reason="ovs_ext.policy (the OVS extension, branch ovs) not here yet"
+    )
+    stack.run("stack:install", "stack:post-config")
+    conf = cfg.ConfigOpts()
+    offload_config.register_opts(conf)
+    conf(["--config-file", str(conf_dir(stack) / "offload.conf")], project="flexmig-test")
+    assert conf.offload.provider == "xdp"
+    assert conf.offload.vm_port_patterns == ["tap[0-9a-f]{8}-[0-9a-f]{2}"]
+    assert re.fullmatch(conf.offload.vm_port_patterns[0], "tap5f4bd1b6-0e")
+    assert conf.offload.uplinks == []
+    loaded = policy.load_policy(conf.offload.policy_file)
+    assert loaded.capacity == 1024 and loaded.header_rules
+
+
+def test_offload_is_opt_in(stack):
+    stack.env["ENABLED_SERVICES"] = SERVICES.replace(",flexmig-offload", "")
+    stack.run("stack:install", "stack:post-config", "stack:extra")
+    assert not (conf_dir(stack) / "offload.conf").exists()
+    assert [c[0] for c in stack.calls("run_process")] == ["flexmig-agent"]
+
+
+@pytest.mark.parametrize("agent", ["q-agt", "neutron-agent", "ovn-controller"])
+def test_offload_refuses_the_bridge_neutron_manages(stack, agent):
+    stack.env["ENABLED_SERVICES"] += f",q-svc,{agent}"
+    before = stack.snapshot()
+    proc = stack.run("stack:install", check=False)
+    assert proc.returncode != 0
+    assert f"flexmig-offload would take over br-int, which {agent} manages" in proc.stderr
+    assert stack.snapshot() == before
+
+
+def test_offload_beside_neutron_when_the_operator_connects_the_bridge(stack):
+    stack.env["ENABLED_SERVICES"] += ",q-svc,ovn-controller"
+    stack.run("stack:install", "stack:post-config", localrc="FLEXMIG_OFFLOAD_CONFIGURE_BRIDGE=no")
+    offload = ini(conf_dir(stack) / "offload.conf")
+    assert offload["offload"]["configure_bridge"] == "False"
 
 
 def test_second_post_config_changes_nothing(stack):
@@ -179,7 +235,7 @@ def test_only_the_allowed_modes_touch_libvirt_and_the_kernel(stack):
 
 
 def test_node_without_nova_compute_gets_no_agent_and_no_nova_changes(stack):
-    stack.env["ENABLED_SERVICES"] = "key,n-api,n-sch,placement-api,ovs-vswitchd,q-svc"
+    stack.env["ENABLED_SERVICES"] = "key,n-api,n-sch,placement-api,ovs-vswitchd,flexmig-offload"
     stack.run("stack:install", "stack:post-config", "stack:extra")
     assert stack.path("NOVA_CONF").read_text() == NOVA_CONF
     assert not (conf_dir(stack) / "agent.conf").exists()
@@ -290,6 +346,8 @@ BAD_SETTINGS = [
     ("FLEXMIG_AGENT_KEY_GENERATE=False", "no agent key"),
     ("HOST_IP=; FLEXMIG_AGENT_LISTEN_ADDRESS=", "FLEXMIG_AGENT_LISTEN_ADDRESS=''"),
     ("FLEXMIG_STORE_DIR=relative/store", "FLEXMIG_STORE_DIR='relative/store'"),
+    ("FLEXMIG_OFFLOAD_UPLINKS='eth0 eth1'", "FLEXMIG_OFFLOAD_UPLINKS='eth0 eth1'"),
+    ("FLEXMIG_OFFLOAD_BRIDGE=br-int-is-too-long", "FLEXMIG_OFFLOAD_BRIDGE='br-int-is-too-long'"),
 ]
 
 
