@@ -10,6 +10,7 @@ process, as stack.sh/unstack.sh/clean.sh source the plugin in separate runs.
 from __future__ import annotations
 
 import configparser
+import importlib.metadata
 import os
 import re
 import stat
@@ -84,6 +85,31 @@ def test_post_config_points_nova_at_flexmig_with_every_option(stack):
     # What DevStack wrote stays.
     assert nova["DEFAULT"]["my_ip"] == "10.0.0.11"
     assert nova["libvirt"]["live_migration_uri"] == "qemu+ssh://stack@%s/system"
+
+
+def flexmig_nova_opts() -> list[cfg.Opt]:
+    """The Nova driver's [flexmig] options, found as oslo-config-generator finds them."""
+    for entry in importlib.metadata.entry_points(group="oslo.config.opts"):
+        try:
+            groups = entry.load()()
+        except (ImportError, AttributeError):
+            continue
+        for group, opts in groups:
+            if str(group) == "flexmig":
+                return list(opts)
+    pytest.skip("no oslo.config.opts entry point lists [flexmig] (the Nova driver, branch nova)")
+
+
+def test_nova_conf_is_what_the_nova_driver_accepts(stack):
+    opts = flexmig_nova_opts()
+    stack.run("stack:install", "stack:post-config")
+    conf = cfg.ConfigOpts()
+    conf.register_opts(opts, group="flexmig")
+    conf(["--config-file", str(stack.path("NOVA_CONF"))], project="flexmig-test")
+    assert conf.flexmig.agent_port == 9797
+    assert list(conf.flexmig.allowed_modes) == ["precopy", "postcopy", "split"]
+    assert conf.flexmig.max_downtime_ms == 300
+    assert float(conf.flexmig.agent_timeout) == 30
 
 
 def test_post_config_writes_an_agent_config_the_agent_accepts(stack):
