@@ -15,6 +15,8 @@ from typing import Any
 import pytest
 import yaml
 
+from flexmig.policy import decision
+from flexmig.policy.dirty_model import DirtyModel
 from tests.devstack_standin.node import REPO, ini, make_stack
 
 ZUUL = REPO / ".zuul.yaml"
@@ -198,3 +200,30 @@ def test_the_key_never_reaches_the_logs():
     for task in tasks:
         if "slurp" in task or "copy" in task:
             assert task.get("no_log") is True, task["name"]
+
+
+def tempest_guest_decision(budget_mib: int, ram_mib: int) -> str:
+    """The mode FlexMig's policy picks for a quiet tempest guest towards an empty node."""
+    mib = 2**20
+    inputs = decision.MigrationInputs(
+        vm="tempest-server",
+        ram_bytes=ram_mib * mib,
+        resident_bytes=ram_mib * mib // 2,
+        dirty=DirtyModel(m_pages=200, tau_s=1.0),
+        bandwidth_bps=100 * mib,
+        dest_free_bytes=budget_mib * mib,
+        dest_store_free_bytes=10 * 1024 * mib,
+        file_backed=True,
+        max_downtime_ms=500,
+    )
+    return decision.decide(inputs).mode
+
+
+@pytest.mark.parametrize("ram_mib", [128, 192])  # tempest's flavor_ref and flavor_ref_alt
+def test_split_jobs_budget_makes_tempest_guests_go_split(ram_mib):
+    jobs, _ = load_zuul()
+    for role in ROLES:
+        localrc = node_vars(jobs, "flexmig-live-migration-split", role)["devstack_localrc"]
+        assert tempest_guest_decision(localrc["FLEXMIG_AGENT_MEMORY_BUDGET_MB"], ram_mib) == "split"
+    # The same guest towards a node with the RAM goes precopy.
+    assert tempest_guest_decision(8192, ram_mib) == "precopy"
