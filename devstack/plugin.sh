@@ -123,6 +123,9 @@ function _flexmig_check_names {
     if [[ ! $FLEXMIG_AGENT_LISTEN_ADDRESS =~ $ipv4 && ! $FLEXMIG_AGENT_LISTEN_ADDRESS =~ $ipv6 ]]; then
         _flexmig_bad "FLEXMIG_AGENT_LISTEN_ADDRESS='$FLEXMIG_AGENT_LISTEN_ADDRESS': must be" \
             "this host's management IP address (default: HOST_IP)"
+    elif [[ $FLEXMIG_AGENT_LISTEN_ADDRESS =~ ^(0+\.0+\.0+\.0+|[0:]+)$ ]]; then
+        _flexmig_bad "FLEXMIG_AGENT_LISTEN_ADDRESS='$FLEXMIG_AGENT_LISTEN_ADDRESS': the agent" \
+            "listens on the management address only, never on all addresses"
     fi
     if [[ -n $FLEXMIG_OFFLOAD_UPLINKS && ! $FLEXMIG_OFFLOAD_UPLINKS =~ ^[A-Za-z0-9_.:-]{1,15}(,[A-Za-z0-9_.:-]{1,15})*$ ]]; then
         _flexmig_bad "FLEXMIG_OFFLOAD_UPLINKS='$FLEXMIG_OFFLOAD_UPLINKS': port names," \

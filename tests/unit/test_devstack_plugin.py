@@ -112,6 +112,12 @@ def test_nova_conf_is_what_the_nova_driver_accepts(stack):
     assert float(conf.flexmig.agent_timeout) == 30
 
 
+def test_ipv6_only_devstack_agent_listens_on_host_ipv6(stack):
+    stack.env.pop("HOST_IP")
+    stack.run("stack:post-config", localrc="HOST_IPV6=fd00::11")
+    assert ini(conf_dir(stack) / "agent.conf")["agent"]["listen_address"] == "fd00::11"
+
+
 def test_post_config_writes_an_agent_config_the_agent_accepts(stack):
     stack.run("stack:install", "stack:post-config")
     conf = cfg.ConfigOpts()
@@ -370,7 +376,10 @@ BAD_SETTINGS = [
     ("FLEXMIG_AGENT_KEY=short", "FLEXMIG_AGENT_KEY: must be at least 32 hex digits"),
     ("FLEXMIG_AGENT_KEY_SOURCE=/nonexistent/key", "FLEXMIG_AGENT_KEY_SOURCE='/nonexistent/key'"),
     ("FLEXMIG_AGENT_KEY_GENERATE=False", "no agent key"),
-    ("HOST_IP=; FLEXMIG_AGENT_LISTEN_ADDRESS=", "FLEXMIG_AGENT_LISTEN_ADDRESS=''"),
+    ("HOST_IP=", "FLEXMIG_AGENT_LISTEN_ADDRESS=''"),
+    ("FLEXMIG_AGENT_LISTEN_ADDRESS=0.0.0.0/0", "FLEXMIG_AGENT_LISTEN_ADDRESS='0.0.0.0/0'"),
+    ("FLEXMIG_AGENT_LISTEN_ADDRESS=0.0.0.0", "never on all addresses"),
+    ("FLEXMIG_AGENT_LISTEN_ADDRESS=::", "never on all addresses"),
     ("FLEXMIG_STORE_DIR=relative/store", "FLEXMIG_STORE_DIR='relative/store'"),
     ("FLEXMIG_OFFLOAD_UPLINKS='eth0 eth1'", "FLEXMIG_OFFLOAD_UPLINKS='eth0 eth1'"),
     ("FLEXMIG_OFFLOAD_BRIDGE=br-int-is-too-long", "FLEXMIG_OFFLOAD_BRIDGE='br-int-is-too-long'"),
@@ -449,7 +458,7 @@ def test_every_setting_is_documented_with_its_default():
     assert len(defaults) == len(names) > 20
     readme = (REPO / "devstack" / "README.rst").read_text()
     for name, default, boolean in defaults:
-        shown = (boolean or default).replace("${HOST_IP:-}", "$HOST_IP")
+        shown = (boolean or default).replace("${HOST_IP:-${HOST_IPV6:-}}", "$HOST_IP")
         assert f"``{name}`` (``{shown}``)" in readme or (
             not shown and f"``{name}`` (empty)" in readme
         ), name

@@ -9,6 +9,8 @@ stand-in node with exactly the settings each node of each job would get.
 from __future__ import annotations
 
 import re
+import stat
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -227,3 +229,16 @@ def test_split_jobs_budget_makes_tempest_guests_go_split(ram_mib):
         assert tempest_guest_decision(localrc["FLEXMIG_AGENT_MEMORY_BUDGET_MB"], ram_mib) == "split"
     # The same guest towards a node with the RAM goes precopy.
     assert tempest_guest_decision(8192, ram_mib) == "precopy"
+
+
+def test_pre_run_generates_a_private_key_the_plugin_accepts(tmp_path: Path):
+    tasks = yaml.safe_load(PRE_RUN.read_text())[0]["tasks"]
+    generate = next(t for t in tasks if t["name"] == "Generate the key on the controller")
+    key = tmp_path / "agent.key"
+    script = generate["shell"].replace("{{ flexmig_gate_key }}", str(key))
+    subprocess.run(["bash", "-c", script], check=True, timeout=30)
+    assert re.fullmatch("[0-9a-f]{64}", key.read_text())
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    stack = make_stack(tmp_path / "node")
+    stack.run("stack:post-config", localrc=f"FLEXMIG_AGENT_KEY_SOURCE={key}")
+    assert (stack.path("FLEXMIG_CONF_DIR") / "agent.key").read_text() == key.read_text() + "\n"
