@@ -72,7 +72,7 @@ def _belongs_to(lab: Lab, pid: int, cmdline: str) -> bool:
     inode = _netns_inode(f"/proc/{pid}/ns/net")
     if inode is None:
         return False
-    if inode == _netns_inode("/proc/1/ns/net"):
+    if inode == _netns_inode("/proc/self/ns/net"):
         return f"{lab.dir}/" in cmdline
     others = {
         _netns_inode(f"/run/netns/{n}")
