@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import math
+import os
 import statistics
 import subprocess
 import time
@@ -270,12 +271,20 @@ def main() -> None:
         f"{args.repeat} run(s). Downtime is guest-observed (longest heartbeat gap). "
         "bad = pages verify found bad or lost (max over runs).",
         "",
+        f"QEMU {_lab_qemu_version()} (the lab's, see README), libvirt 9.0; load average at "
+        f"the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (the machine is shared).",
+        "",
         "| workload | strategy | completed | mode | total s | downtime ms | MiB moved | bad "
         "| predicted total / downtime | note |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(header + lines) + "\n")
+
+
+def _lab_qemu_version() -> str:
+    marker = image.cache_dir() / "qemu" / "unpacked"
+    return marker.read_text().strip() if marker.exists() else "unknown"
 
 
 if __name__ == "__main__":
