@@ -21,7 +21,7 @@ flexmig_opts = [
         "listen_address). Unset means Nova's [DEFAULT] my_ip. The destination "
         "hands it to the source in the migrate data.",
     ),
-    cfg.PortOpt("agent_port", default=9797, help="TCP port of the flexmig-agent API."),
+    cfg.PortOpt("agent_port", default=9797, min=1, help="TCP port of the flexmig-agent API."),
     cfg.StrOpt(
         "agent_key_file",
         default="/etc/flexmig/agent.key",
