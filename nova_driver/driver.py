@@ -66,6 +66,8 @@ class PlannedGuest:
 
     def migrate(self, destination: str, **kwargs: Any) -> None:
         kwargs["flags"] = self._plan.flags(kwargs.get("flags", 0), _libvirt())
+        if self._plan.decision.mode == "split" and kwargs.get("destination_xml"):
+            kwargs["destination_xml"] = planning.split_destination_xml(kwargs["destination_xml"])
         LOG.debug("FlexMig: migrating with libvirt flags %#x", kwargs["flags"])
         self._guest.migrate(destination, **kwargs)
 
@@ -305,6 +307,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             CONF.flexmig.stall_timeout,
             CONF.libvirt.live_migration_monitor_interval,
             self.active_migrations,
+            CONF.flexmig.max_downtime_ms,
         )
 
         def done(_info: Any) -> None:

@@ -21,6 +21,7 @@ from typing import Any
 from nova.virt.libvirt import migration as libvirt_migrate
 from oslo_log import log as logging
 
+from flexmig.policy import inflight
 from nova_driver.planning import MigrationPlan
 
 LOG = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ class MonitorState:
     last_iteration: int = -1
     polls: int = 0
     aborted_for: str | None = None
+    limit_ms: int = 0  # the downtime limit in force
+    stopped: bool = False  # paused for stop-and-copy
 
 
 def _percent_remaining(info: Any) -> int:
@@ -55,6 +58,7 @@ class PlanMonitor:
         stall_timeout_s: float,
         save_interval_s: float,
         active_migrations: dict[str, collections.deque[str]],
+        budget_ms: int,
     ) -> None:
         self.libvirt = libvirt
         self.host = host
@@ -63,7 +67,8 @@ class PlanMonitor:
         self.stall_timeout_s = stall_timeout_s
         self.save_every = max(1, int(save_interval_s / POLL_S))
         self.active_migrations = active_migrations
-        self.state = MonitorState()
+        self.budget_ms = budget_ms
+        self.state = MonitorState(limit_ms=plan.decision.max_downtime_ms)
 
     def run(
         self,
@@ -127,6 +132,8 @@ class PlanMonitor:
             )
             libvirt_migrate.trigger_postcopy_switch(guest, instance, migration)
             self.state.switched = migration.status == "running (post-copy)"
+        if not self.state.switched and not self.state.stopped:
+            self._correct(instance, guest, info, on_failure)
         self._watch_progress(guest, info)
         if self.state.polls % self.save_every == 0 or info.memory_iteration != (
             self.state.last_iteration
@@ -134,6 +141,43 @@ class PlanMonitor:
             libvirt_migrate.save_stats(instance, migration, info, _percent_remaining(info))
             self.state.last_iteration = info.memory_iteration
         self.state.polls += 1
+
+    def _correct(
+        self, instance: Any, guest: Any, info: Any, on_failure: collections.deque[str]
+    ) -> None:
+        """A stream slower than planned: the policy's in-flight correction."""
+        decision = self.plan.decision
+        change = inflight.adjust(
+            inflight.Progress(
+                iteration=info.memory_iteration,
+                processed_bytes=info.memory_processed,
+                remaining_bytes=info.memory_remaining,
+                ram_bytes=decision.ram_bytes,
+                bandwidth_bps=info.memory_bps,
+            ),
+            planned_rounds=len(decision.prediction.rounds),
+            limit_ms=self.state.limit_ms,
+            budget_ms=self.budget_ms,
+            postcopy_enabled=decision.transfer == "postcopy",
+        )
+        if change.action == "none":
+            return
+        LOG.info("FlexMig: %s", change.reason, instance=instance)
+        if change.action == "switch_postcopy":
+            libvirt_migrate.trigger_postcopy_switch(guest, instance, self.migration)
+            self.state.switched = self.migration.status == "running (post-copy)"
+        elif change.action == "raise_downtime" and change.downtime_ms is not None:
+            try:
+                guest.migrate_configure_max_downtime(change.downtime_ms)
+            except self.libvirt.libvirtError as exc:
+                LOG.warning("FlexMig: libvirt refused the downtime limit: %s", exc)
+            self.state.limit_ms = change.downtime_ms
+        elif change.action == "stop_and_copy":
+            # Nova's own force-complete does the same for a precopy; a failed
+            # migration resumes the guest through Nova's recovery tasks.
+            guest.pause()
+            on_failure.append("unpause")
+            self.state.stopped = True
 
     def _watch_progress(self, guest: Any, info: Any) -> None:
         now = time.monotonic()

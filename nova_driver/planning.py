@@ -66,6 +66,26 @@ def merge_flags(nova_flags: int, mode_flags: int, libvirt: Any) -> int:
     return (nova_flags & ~chosen) | (mode_flags & chosen)
 
 
+def split_destination_xml(xml: str) -> str:
+    """The destination XML for a split VM: its file-backed memory allocated on demand.
+
+    Nova asks for ``<allocation mode="immediate"/>`` with file-backed memory,
+    which makes the incoming QEMU preallocate all of the VM's RAM: under
+    split's resident cap that would fault the whole VM through the cap before
+    the first page arrives.  On demand, pages land as they come and the cold
+    ones stay in the store file.
+
+    >>> xml = split_destination_xml('<domain><memoryBacking><source type="file"/>'
+    ...                             '<allocation mode="immediate"/></memoryBacking></domain>')
+    >>> xml[xml.index("<allocation"):]
+    '<allocation mode="ondemand" /></memoryBacking></domain>'
+    """
+    root = ET.fromstring(xml)
+    for allocation in root.findall("memoryBacking/allocation"):
+        allocation.set("mode", "ondemand")
+    return ET.tostring(root, encoding="unicode")
+
+
 def guest_memory(xml: str, max_memory_kib: int, memory_stats: dict[str, int]) -> GuestMemory:
     """The guest's memory facts from its libvirt definition and memory statistics.
 

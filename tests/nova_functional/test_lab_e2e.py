@@ -13,6 +13,7 @@ libvirt and QEMU; the guest then verifies its memory page by page.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from typing import Any
@@ -30,21 +31,39 @@ from oslo_utils.fixture import uuidsentinel as uuids  # noqa: E402
 from flexmig import hypervisor  # noqa: E402
 from flexmig.lab import vm as lab_vm  # noqa: E402
 from flexmig.lab import vmspec  # noqa: E402
+from flexmig.lab.lab import CGROUP_ROOT  # noqa: E402
 from tests.nova_functional.test_live_migration import API_PASTE, DRIVER, FINAL_STATES  # noqa: E402
 
 pytestmark = pytest.mark.lab
 HOSTS = {"lab-a": "A", "lab-b": "B"}
-VM_RAM_MB = 256
-# The guest rewrites 64 MiB of checksummed pages, 2,000 pages/s: precopy converges.
-WORKLOAD = "dirtier:wss=64M,rate=2000"
 WAIT_S = 300.0
+MIB = 2**20
 
 
-def _adopting_spawn(lab: Any) -> Any:
+@dataclasses.dataclass(frozen=True)
+class Guest:
+    """The lab guest a server's boot adopts, and the flavor that matches it."""
+
+    ram_mb: int
+    workload: str
+    memory_backing: str = "file"
+
+
+# Rewrites 64 MiB of checksummed pages, 2,000 pages/s: precopy converges.
+MODERATE = Guest(256, "dirtier:wss=64M,rate=2000")
+# Rewrites 256 MiB at 150,000 pages/s, far above a 64 MiB/s stream; anonymous
+# memory, which userfaultfd serves: hybrid postcopy.
+HOT = Guest(512, "dirtier:wss=256M,rate=150000", memory_backing="anonymous")
+# 300 MiB of checksummed working set on a 512 MiB VM, for a destination giving VMs 400 MiB.
+BIG = Guest(512, "dirtier:wss=300M,rate=2000")
+
+
+def _adopting_spawn(test: Any) -> Any:
     """Nova's spawn replaced by booting the lab's measuring guest as this instance."""
 
     def spawn(driver: Any, context: Any, instance: Any, *args: Any, **kwargs: Any) -> None:
         plain_xml = vmspec.domain_xml
+        guest = test.guest
 
         def with_nova_uuid(spec: Any, kernel: str, initrd: str) -> str:
             xml = plain_xml(spec, kernel, initrd)
@@ -52,10 +71,11 @@ def _adopting_spawn(lab: Any) -> Any:
 
         with mock.patch.object(vmspec, "domain_xml", with_nova_uuid):
             lab_vm.create(
-                lab,
+                test.lab,
                 HOSTS[driver._flexmig_lab_host],
-                ram=f"{VM_RAM_MB}M",
-                workload=WORKLOAD,
+                ram=f"{guest.ram_mb}M",
+                workload=guest.workload,
+                memory_backing=guest.memory_backing,
                 name=instance.name,
             )
 
@@ -95,7 +115,7 @@ class TestNovaMovesRealGuest(
         )
         self.useFixture(
             fixtures.MonkeyPatch(
-                "nova.virt.libvirt.driver.LibvirtDriver.spawn", _adopting_spawn(self.lab)
+                "nova.virt.libvirt.driver.LibvirtDriver.spawn", _adopting_spawn(self)
             )
         )
         # Nova's harness forbids the libvirt event thread; the driver works without
@@ -106,7 +126,7 @@ class TestNovaMovesRealGuest(
         self.computes = {}
         for nova_host, lab_host in HOSTS.items():
             self.computes[nova_host] = self._start_lab_compute(nova_host, lab_host)
-        self.flavor_id = self._create_flavor(memory_mb=VM_RAM_MB, vcpu=1, disk=0, ephemeral=0)
+        self.guest = MODERATE
 
     def _start_lab_compute(self, nova_host: str, lab_host: str) -> Any:
         host = self.lab.host(lab_host)
@@ -157,14 +177,20 @@ class TestNovaMovesRealGuest(
                     where.append(lab_host)
         return where
 
-    def test_os_migrate_live_moves_a_real_guest(self) -> None:
-        body = self._build_server(flavor_id=self.flavor_id, networks="none", host="lab-a")
+    def _boot_and_migrate(self, guest: Guest) -> tuple[str, dict[str, Any], dict[str, Any]]:
+        """Boot ``guest`` on lab-a through Nova, live-migrate it to lab-b through Nova's API.
+
+        Returns (instance name, the finished migration, what the guest saw).
+        """
+        self.guest = guest
+        flavor = self._create_flavor(memory_mb=guest.ram_mb, vcpu=1, disk=0, ephemeral=0)
+        body = self._build_server(flavor_id=flavor, networks="none", host="lab-a")
         server = self.admin_api.post_server({"server": body})
-        # A TCG guest boots in tens of seconds on this machine.
+        # A TCG guest boots in seconds to tens of seconds on this machine.
         server = self._wait_for_server_parameter(server, {"status": "ACTIVE"}, max_retries=240)
         name = self.admin_api.get_server(server["id"])["OS-EXT-SRV-ATTR:instance_name"]
         self.assertEqual(["A"], self._running_on(name))
-        guest = lab_vm.LabVM(self.lab, name)
+        lab_guest = lab_vm.LabVM(self.lab, name)
         start_ns = time.monotonic_ns()
 
         self.api.post_server_action(
@@ -176,17 +202,45 @@ class TestNovaMovesRealGuest(
         current = self.admin_api.get_server(server["id"])
         self.assertEqual(("ACTIVE", "lab-b"), (current["status"], current["OS-EXT-SRV-ATTR:host"]))
         self.assertEqual(["B"], self._running_on(name))
-        actions = self.admin_api.get_instance_actions(server["id"])
-        live = next(a for a in actions if a["action"] == "live-migration")
-        events = self.admin_api.get_instance_action_details(server["id"], live["request_id"])
-        self.assertIn("flexmig_precopy", [e["event"] for e in events["events"]])
-        guest.wait_heartbeat(host="B")
-        beats = guest.heartbeat(since_ns=start_ns)
-        self.assertTrue(beats.hosts[-1] == "B", beats.hosts)
-        report = guest.verify()
+        lab_guest.wait_heartbeat(host="B")
+        beats = lab_guest.heartbeat(since_ns=start_ns)
+        self.assertEqual("B", beats.hosts[-1], beats.hosts)
+        report = lab_guest.verify()
         self.assertEqual((0, 0), (report["bad"], report["lost"]), report)
         self.assertGreater(report["ok"], 0)
-        print(  # for the record (pytest -s): what the guest saw
-            f"nova e2e: {name} lab-a -> lab-b by FlexMig precopy; guest-observed longest "
-            f"heartbeat gap {beats.longest_gap_ms:.1f} ms; verify {report}"
-        )
+        seen = {
+            "events": self._flexmig_events(server),
+            "longest_gap_ms": round(beats.longest_gap_ms, 1),
+            "verify": report,
+        }
+        print(f"nova e2e: {name} lab-a -> lab-b: {seen}")  # for the record (pytest -s)
+        return name, migration, seen
+
+    def _flexmig_events(self, server: dict[str, Any]) -> list[str]:
+        actions = self.admin_api.get_instance_actions(server["id"])
+        live = next(a for a in actions if a["action"] == "live-migration")
+        detail = self.admin_api.get_instance_action_details(server["id"], live["request_id"])
+        return [e["event"] for e in detail["events"] if e["event"].startswith("flexmig_")]
+
+    def test_moderate_guest_goes_by_precopy(self) -> None:
+        _name, _migration, seen = self._boot_and_migrate(MODERATE)
+        self.assertEqual(["flexmig_precopy"], seen["events"])
+
+    def test_hot_guest_goes_by_hybrid_postcopy(self) -> None:
+        # Anonymous memory on both ends, and a 64 MiB/s stream (Nova's own cap).
+        self.flags(file_backed_memory=0, live_migration_bandwidth=64, group="libvirt")
+        self.flags(stream_bandwidth_mib=64, group="flexmig")
+        _name, _migration, seen = self._boot_and_migrate(HOT)
+        self.assertEqual(["flexmig_postcopy"], seen["events"])
+
+    def test_short_destination_goes_by_split_with_capped_residency(self) -> None:
+        self.lab.set_budget("B", 400)  # less than the VM's 512 MiB plus QEMU's own
+        self.addCleanup(self.lab.set_budget, "B", 4096)
+        name, _migration, seen = self._boot_and_migrate(BIG)
+        self.assertEqual(["flexmig_split"], seen["events"])
+        group = CGROUP_ROOT / "lab-b" / name
+        limit = int((group / "memory.limit_in_bytes").read_text())
+        self.assertEqual((400 - 160) * MIB, limit)
+        self.assertLessEqual(int((group / "memory.max_usage_in_bytes").read_text()), limit)
+        # 300 MiB of verified working set lives on a host capped below it.
+        self.assertGreater(seen["verify"]["pages"] * 4096, limit)
