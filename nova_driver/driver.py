@@ -107,7 +107,8 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         )
         try:
             offer = self._offer(instance, data)
-        except exceptions.FlexMigError as exc:
+        except (exceptions.FlexMigError, KeyError, TypeError, ValueError) as exc:
+            # KeyError/TypeError/ValueError: facts not in the agent API's shape.
             raise exception.MigrationPreCheckError(
                 reason=f"FlexMig destination could not prepare: {exc}"
             ) from exc
