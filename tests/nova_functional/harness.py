@@ -36,7 +36,8 @@ MIB = 2**20
 PAGE = 4096
 TEST_KEY = b"flexmig-nova-functional-test-key"
 ROUND_S = 0.6  # longer than the driver's 0.5 s poll: it sees every round
-MAX_PRECOPY_ROUNDS = 8
+MAX_PRECOPY_ROUNDS = 10
+STREAM_BPS = 64 * MIB  # the rate the emulated stream reports (memory_bps)
 
 
 class InProcessAgent(fixtures.Fixture):
@@ -117,6 +118,7 @@ class MigrationSeen:
     max_downtime_ms: list[int] = dataclasses.field(default_factory=list)
     dirty_periods: list[int] = dataclasses.field(default_factory=list)
     postcopy_after_round: int | None = None
+    paused_at_round: int | None = None  # stop-and-copy: the guest paused mid-precopy
     rounds: int = 0
     outcome: str = "not started"
 
@@ -225,15 +227,22 @@ class GuestWorkloads(fixtures.Fixture):
                 "memory_processed": processed,
                 "memory_remaining": dirty,
                 "memory_iteration": index,
+                "memory_bps": STREAM_BPS,
             }
             time.sleep(ROUND_S)
             if index == 1:
                 self.hold.wait(30)
             if record.postcopy_after_round is not None:
                 break
+            if dom._state == fakelibvirt.VIR_DOMAIN_PAUSED:
+                # A paused guest dirties nothing: the remainder moves and QEMU completes.
+                record.paused_at_round = index
+                break
             if load.converges and index >= 2:
                 break
-        converged = load.converges or record.postcopy_after_round is not None
+        converged = load.converges or (
+            record.postcopy_after_round is not None or record.paused_at_round is not None
+        )
         if dom.name() in self.fail or not converged:
             record.outcome = "failed"
             dom._flexmig_job = None

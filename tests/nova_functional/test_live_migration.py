@@ -265,6 +265,31 @@ class TestShortDestination(FlexMigNovaTestBase):
         self.assertIsNone(self.dest_agent.reservation(name))
 
 
+class TestStreamSlowerThanPlanned(FlexMigNovaTestBase):
+    """File-backed (no postcopy), destination roomy: a hot VM gets precopy."""
+
+    FILE_BACKED = True
+
+    def test_non_converging_precopy_stops_and_copies_at_the_caps(self) -> None:
+        server = self._boot(harness.HOT)
+        self._migrate_live(server)
+        migration = self._wait_for_end(server)
+
+        seen = self.guests.seen[self._domain_name(server)]
+        self.assertEqual("completed", migration["status"], seen)
+        self._assert_on(server, "dest")
+        self.assertIn("flexmig_precopy", self._events(server))
+        # Postcopy is out (file-backed memory); the plan throttles the guest…
+        self.assertFalse(seen.flags & fakelibvirt.VIR_MIGRATE_POSTCOPY)
+        self.assertTrue(seen.flags & fakelibvirt.VIR_MIGRATE_AUTO_CONVERGE)
+        # …and when 3x RAM has been sent without converging, the driver pauses
+        # the guest so the rest moves while it is stopped (seed 000's caps).
+        # The emulated QEMU sends all of RAM, then HOT's 200 MiB per round.
+        cap_round = next(k for k in range(1, 99) if VM_RAM_MB + (k - 1) * 200 > 3 * VM_RAM_MB)
+        self.assertIsNotNone(seen.paused_at_round)
+        self.assertGreaterEqual(seen.paused_at_round, cap_round)
+
+
 class TestRefusedMigration(FlexMigNovaTestBase):
     """Destination short of RAM and the VM not file-backed: nothing can move it."""
 
