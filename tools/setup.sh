@@ -62,12 +62,32 @@ install_python() {
   log "creating the virtualenv in .venv"
   python3 -m venv .venv
   .venv/bin/pip install -q -U pip setuptools wheel
-  .venv/bin/pip install -q -c constraints.txt -e ".[test]"
+  .venv/bin/pip install -q -c constraints.txt -e ".[test,nova]"
   echo "$want" > "$stamp"
+}
+
+# Nova's functional-test harness loads the API pipeline from the
+# etc/nova/api-paste.ini that only Nova's source distribution carries.
+fetch_nova_api_paste() {
+  local version paste=.cache/nova/api-paste.ini
+  version=$(.venv/bin/python -c 'import importlib.metadata as m; print(m.version("nova"))')
+  if [ -f "$paste" ] && [ "$(cat .cache/nova/version 2>/dev/null)" = "$version" ]; then
+    return
+  fi
+  log "fetching api-paste.ini from the nova $version source distribution"
+  local tmp
+  tmp=$(mktemp -d)
+  .venv/bin/pip download -q --no-deps --no-binary :all: -d "$tmp" "nova==$version"
+  mkdir -p .cache/nova
+  tar -xzf "$tmp/nova-$version.tar.gz" -C "$tmp" "nova-$version/etc/nova/api-paste.ini"
+  cp "$tmp/nova-$version/etc/nova/api-paste.ini" "$paste"
+  echo "$version" > .cache/nova/version
+  rm -rf "$tmp"
 }
 
 install_debian_packages
 install_python
+fetch_nova_api_paste
 log "building the data mover"
 make -s -C agents/mover
 log "building the guest image"

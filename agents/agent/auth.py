@@ -4,12 +4,21 @@ Every request carries a timestamp, a nonce and a signature over
 (method, path, timestamp, nonce, body) made with the deployment's shared key.
 The agent rejects a bad or missing signature, a timestamp outside the allowed
 skew and a nonce it has already seen, so a captured request cannot be replayed.
+
+A migration-scoped credential is a key derived from the shared one for one
+VM's migration until an expiry (``scoped_key``): its holder signs with it and
+names the scope in a header.  The agent accepts it only for what a migration's
+source needs from its destination (reads, and releasing that one VM's split
+reservation), and only until it expires, so the Nova driver can hand it across
+hosts in the migrate data without handing out the deployment key.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import json
+import re
 import secrets
 import threading
 import time
@@ -20,6 +29,19 @@ MAX_SKEW_S = 30.0
 HEADER_TS = "X-FlexMig-Timestamp"
 HEADER_NONCE = "X-FlexMig-Nonce"
 HEADER_SIG = "X-FlexMig-Signature"
+HEADER_SCOPE = "X-FlexMig-Scope"
+SCOPE_RE = re.compile(
+    r"^migration/(?P<id>[0-9A-Za-z-]{1,64})/(?P<vm>[A-Za-z0-9][A-Za-z0-9_.-]{0,63})"
+    r"/(?P<expires>[0-9]{1,12})$"
+)
+# What a migration-scoped credential may read: liveness, host facts, the
+# fabric probe and split status.  The one change it may make is releasing its
+# own VM's split reservation (checked against the body).
+SCOPED_READS = tuple(
+    re.compile(p)
+    for p in (r"^/v1/health$", r"^/v1/facts$", r"^/v1/probe/[0-9]{1,3}$", r"^/v1/split/[^/]+$")
+)
+SCOPED_RELEASE = "/v1/split/cleanup"
 MIN_KEY_BYTES = 16
 
 
@@ -40,17 +62,39 @@ def _digest(key: bytes, method: str, path: str, ts: str, nonce: str, body: bytes
     return hmac.new(key, msg, hashlib.sha256).hexdigest()
 
 
+def scope_for(migration_id: str, vm: str, expires: float) -> str:
+    """The scope string of a credential for one VM's migration, valid until ``expires``.
+
+    >>> scope_for("5f0c", "instance-00000001", 1800000000.5)
+    'migration/5f0c/instance-00000001/1800000000'
+    """
+    return f"migration/{migration_id}/{vm}/{int(expires)}"
+
+
+def scoped_key(key: bytes, scope: str) -> bytes:
+    """The key a scoped credential signs with, derived from the shared key."""
+    return hmac.new(key, b"flexmig-scope\n" + scope.encode(), hashlib.sha256).hexdigest().encode()
+
+
 def sign(
-    key: bytes, method: str, path: str, body: bytes, now: float | None = None
+    key: bytes,
+    method: str,
+    path: str,
+    body: bytes,
+    now: float | None = None,
+    scope: str | None = None,
 ) -> dict[str, str]:
-    """Headers that authenticate one request."""
+    """Headers that authenticate one request (``key`` is the scoped key when ``scope``)."""
     ts = f"{time.time() if now is None else now:.3f}"
     nonce = secrets.token_hex(12)
-    return {
+    headers = {
         HEADER_TS: ts,
         HEADER_NONCE: nonce,
         HEADER_SIG: _digest(key, method, path, ts, nonce, body),
     }
+    if scope is not None:
+        headers[HEADER_SCOPE] = scope
+    return headers
 
 
 class Verifier:
@@ -77,7 +121,8 @@ class Verifier:
             raise AuthError(reason="malformed timestamp") from None
         if skew > self.max_skew_s:
             raise AuthError(reason=f"timestamp {skew:.0f} s off (max {self.max_skew_s:.0f} s)")
-        expected = _digest(self.key, method, path, ts, nonce, body)
+        key = self._key_for(method, path, body, headers.get(HEADER_SCOPE), now)
+        expected = _digest(key, method, path, ts, nonce, body)
         if not hmac.compare_digest(expected, sig):
             raise AuthError(reason="bad signature")
         with self._lock:
@@ -85,6 +130,28 @@ class Verifier:
             if nonce in self._seen:
                 raise AuthError(reason="replayed request")
             self._seen[nonce] = now
+
+    def _key_for(self, method: str, path: str, body: bytes, scope: str | None, now: float) -> bytes:
+        if scope is None:
+            return self.key
+        match = SCOPE_RE.match(scope)
+        if not match:
+            raise AuthError(reason="malformed credential scope")
+        if now > int(match.group("expires")):
+            raise AuthError(reason=f"the credential for migration {match.group('id')} expired")
+        read = method == "GET" and any(p.match(path) for p in SCOPED_READS)
+        if not read and not _releases_own_vm(method, path, body, match.group("vm")):
+            raise AuthError(reason=f"a migration-scoped credential may not {method} {path}")
+        return scoped_key(self.key, scope)
+
+
+def _releases_own_vm(method: str, path: str, body: bytes, vm: str) -> bool:
+    if method != "POST" or path != SCOPED_RELEASE:
+        return False
+    try:
+        return json.loads(body) == {"vm": vm}
+    except ValueError:
+        return False
 
 
 def load_key(path: str) -> bytes:

@@ -28,13 +28,25 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
 
 
 class AgentClient:
-    """``address`` is an IP (with ``port``) or, with port 0, a UNIX socket path."""
+    """``address`` is an IP (with ``port``) or, with port 0, a UNIX socket path.
 
-    def __init__(self, address: str, port: int, key: bytes, timeout: float = 10.0) -> None:
+    With ``scope`` the client holds a migration-scoped credential: ``key`` is
+    the scoped key (``auth.scoped_key``), not the deployment's.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        port: int,
+        key: bytes,
+        timeout: float = 10.0,
+        scope: str | None = None,
+    ) -> None:
         self.address = address
         self.port = port
         self.key = key
         self.timeout = timeout
+        self.scope = scope
 
     @property
     def name(self) -> str:
@@ -53,7 +65,7 @@ class AgentClient:
         timeout: float | None = None,
     ) -> dict[str, Any]:
         data = json.dumps(body).encode() if body is not None else b""
-        headers = auth.sign(self.key, method, path, data)
+        headers = auth.sign(self.key, method, path, data, scope=self.scope)
         headers["Content-Type"] = "application/json"
         conn = self._connection(timeout or self.timeout)
         try:
@@ -77,7 +89,7 @@ class AgentClient:
     def probe_bandwidth(self, mib: int) -> float:
         """Bytes/s pulling ``mib`` MiB from the agent: the fabric's measured rate."""
         path = f"/v1/probe/{mib}"
-        headers = auth.sign(self.key, "GET", path, b"")
+        headers = auth.sign(self.key, "GET", path, b"", scope=self.scope)
         conn = self._connection(self.timeout)
         try:
             start = time.monotonic()

@@ -40,6 +40,8 @@ class MigrationInputs:
     # Why postcopy cannot be used for this VM (a passthrough device, memory in
     # a file that userfaultfd cannot serve, policy), or None when it can.
     postcopy_blocker: str | None = None
+    # Why split cannot be used for this move (operator policy), or None.
+    split_blocker: str | None = None
     page_size: int = 4096
     switchover_s: float = 0.05
     round_overhead_s: float = 0.0
@@ -104,7 +106,25 @@ def _describe_workload(inp: MigrationInputs) -> str:
     )
 
 
+def split_budget(ram_bytes: int, dest_free_bytes: int) -> int | None:
+    """Resident budget for an incoming VM the destination cannot hold whole, else None.
+
+    The destination keeps QEMU's own memory resident and gives the VM's
+    memory what is left; split then places the rest in the store file.
+
+    >>> split_budget(512 * MIB, 2048 * MIB) is None
+    True
+    >>> split_budget(512 * MIB, 400 * MIB) // MIB
+    240
+    """
+    if dest_free_bytes >= ram_bytes + QEMU_OVERHEAD_BYTES:
+        return None
+    return max(0, dest_free_bytes - QEMU_OVERHEAD_BYTES)
+
+
 def _split_blocker(inp: MigrationInputs) -> str | None:
+    if inp.split_blocker:
+        return f"unavailable: {inp.split_blocker}"
     if not inp.file_backed:
         return (
             "unavailable: the VM's memory is not file-backed, and libvirt cannot change "
@@ -124,7 +144,7 @@ def _split_blocker(inp: MigrationInputs) -> str | None:
 
 
 def _fits(inp: MigrationInputs) -> bool:
-    return inp.dest_free_bytes >= inp.ram_bytes + QEMU_OVERHEAD_BYTES
+    return split_budget(inp.ram_bytes, inp.dest_free_bytes) is None
 
 
 def decide(inp: MigrationInputs, requested: str = "auto") -> Decision:
@@ -233,9 +253,7 @@ def _parameters(
                 f"a {downtime_ms} ms downtime limit converges too, at under 10% more "
                 "total time: it is used instead of the full budget"
             )
-    budget = None
-    if mode == "split":
-        budget = inp.dest_free_bytes - QEMU_OVERHEAD_BYTES
+    budget = split_budget(inp.ram_bytes, inp.dest_free_bytes) if mode == "split" else None
     return Decision(
         vm=inp.vm,
         ram_bytes=inp.ram_bytes,

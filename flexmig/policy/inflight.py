@@ -1,0 +1,109 @@
+"""Correcting a running precopy when the stream is slower than the plan assumed.
+
+A plan is made from a bandwidth estimate; the stream the migration really
+gets can be far slower (a busy host, a destination writing a split VM's pages
+back to its store under a memory cap).  Then the decision's downtime limit
+may never be met and precopy iterates for ever.  Seed 000's precopy has the
+answer built in: after its caps (30 rounds, 3x the VM's pages sent) it stops
+and copies what is left during downtime.  Here, in order:
+
+1. while the remainder fits the current limit at the observed rate, nothing;
+2. once the plan's rounds are past (two rounds of slack) or a cap is reached:
+   switch to postcopy where the plan enabled it;
+3. else raise the downtime limit to the full budget (the plan may have chosen
+   a tighter one on the faster estimate);
+4. at a cap with the budget already in force, stop and copy: pause the guest
+   so the remainder moves while it is stopped, as seed 000 does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from flexmig.policy.precopy import MAX_ROUNDS, MAX_TOTAL_FACTOR
+
+ROUNDS_OF_SLACK = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """What libvirt reports about a running migration (its job statistics)."""
+
+    iteration: int  # memory_iteration: dirty-bitmap syncs so far
+    processed_bytes: int
+    remaining_bytes: int
+    ram_bytes: int
+    bandwidth_bps: float  # memory_bps, the stream's observed rate
+
+    def expected_downtime_ms(self) -> float:
+        if self.remaining_bytes <= 0:
+            return 0.0
+        if self.bandwidth_bps <= 0:
+            return math.inf
+        return self.remaining_bytes / self.bandwidth_bps * 1000
+
+
+@dataclasses.dataclass(frozen=True)
+class Adjustment:
+    action: str  # none | switch_postcopy | raise_downtime | stop_and_copy
+    downtime_ms: int | None = None
+    reason: str = ""
+
+
+NONE = Adjustment("none")
+
+
+def adjust(
+    progress: Progress,
+    planned_rounds: int,
+    limit_ms: int,
+    budget_ms: int,
+    postcopy_enabled: bool,
+) -> Adjustment:
+    """What to change in a running precopy, given its progress.
+
+    >>> slow = Progress(iteration=8, processed_bytes=600 << 20, remaining_bytes=4 << 20,
+    ...                 ram_bytes=512 << 20, bandwidth_bps=10 << 20)
+    >>> adjust(slow, planned_rounds=4, limit_ms=20, budget_ms=300, postcopy_enabled=False).action
+    'raise_downtime'
+    >>> adjust(slow, planned_rounds=4, limit_ms=20, budget_ms=300, postcopy_enabled=True).action
+    'switch_postcopy'
+    >>> capped = dataclasses.replace(slow, iteration=31)
+    >>> adjust(capped, planned_rounds=4, limit_ms=300, budget_ms=300,
+    ...        postcopy_enabled=False).action
+    'stop_and_copy'
+    >>> adjust(dataclasses.replace(slow, iteration=3), 4, 20, 300, False).action
+    'none'
+    """
+    expected = progress.expected_downtime_ms()
+    if expected <= limit_ms:
+        return NONE
+    capped = (
+        progress.iteration > MAX_ROUNDS
+        or progress.processed_bytes > MAX_TOTAL_FACTOR * progress.ram_bytes
+    )
+    if not capped and progress.iteration <= planned_rounds + ROUNDS_OF_SLACK:
+        return NONE
+    where = (
+        f"round {progress.iteration - 1}: {progress.remaining_bytes / 2**20:.1f} MiB left at "
+        f"{progress.bandwidth_bps / 2**20:.1f} MiB/s needs ~{expected:.0f} ms of downtime, "
+        f"over the {limit_ms} ms limit"
+    )
+    if postcopy_enabled:
+        return Adjustment("switch_postcopy", reason=f"{where}: switching to postcopy")
+    if limit_ms < budget_ms:
+        return Adjustment(
+            "raise_downtime",
+            downtime_ms=budget_ms,
+            reason=f"{where}: the stream is slower than planned, raising it to the "
+            f"{budget_ms} ms budget",
+        )
+    if capped:
+        return Adjustment(
+            "stop_and_copy",
+            reason=f"{where}, and precopy's caps ({MAX_ROUNDS} rounds or "
+            f"{MAX_TOTAL_FACTOR:g}x RAM) are reached: pausing the guest so the rest "
+            "moves while it is stopped (seed 000's stop-and-copy)",
+        )
+    return NONE

@@ -1,0 +1,369 @@
+"""FlexMigLibvirtDriver: Nova's libvirt driver with FlexMig's live-migration modes.
+
+Enabled by ``compute_driver = nova_driver.driver.FlexMigLibvirtDriver``.  Only
+the live-migration seams are overridden; everything else is Nova's driver.
+
+Destination, ``pre_live_migration``: after Nova's own preparation, ask the
+local flexmig-agent for its facts; when the VM will not fit in its free
+memory, reserve a split budget there (``flexmig.policy.decision.split_budget``);
+hand back the agent's endpoint, a migration-scoped credential and those facts
+in the migrate data (``FlexMigLiveMigrateData``).
+
+Source, ``_live_migration``: sample the guest's dirty pages through libvirt,
+probe the fabric through the destination agent, let ``flexmig.policy`` decide
+(``nova_driver.planning``), then let Nova's own operation build the
+destination XML and start the migration with the decision's flags, watched by
+``nova_driver.monitor`` instead of Nova's timer-driven monitor.  A plan that
+cannot be made rolls the migration back through Nova's own rollback: the VM
+stays ACTIVE on its source.
+
+Cleanup: a failed migration's split reservation is released at the
+destination; after a VM leaves a host, any reservation it held there goes.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from nova import conf as nova_conf
+from nova import exception
+from nova.compute import utils as compute_utils
+from nova.compute import vm_states
+from nova.virt.libvirt import driver as libvirt_driver
+from oslo_log import log as logging
+
+from agents.agent import auth
+from agents.agent.client import AgentClient
+from flexmig import exceptions
+from flexmig.policy.decision import split_budget
+from nova_driver import conf as flexmig_conf
+from nova_driver import monitor, planning
+from nova_driver.migrate_data import DestinationOffer, FlexMigLiveMigrateData, offer_of
+
+LOG = logging.getLogger(__name__)
+CONF = nova_conf.CONF
+flexmig_conf.register_opts(CONF)
+MIB = 2**20
+# The agent refuses smaller split budgets (agents/agent/split_store.py).
+MIN_SPLIT_BUDGET = 64 * MIB
+
+
+def _libvirt() -> Any:
+    """Nova's libvirt binding, looked up at call time (tests swap in fakelibvirt)."""
+    return libvirt_driver.libvirt
+
+
+class PlannedGuest:
+    """Nova's Guest, whose ``migrate`` uses the plan's flags instead of Nova's."""
+
+    def __init__(self, guest: Any, plan: planning.MigrationPlan) -> None:
+        self._guest = guest
+        self._plan = plan
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._guest, name)
+
+    def migrate(self, destination: str, **kwargs: Any) -> None:
+        kwargs["flags"] = self._plan.flags(kwargs.get("flags", 0), _libvirt())
+        if self._plan.decision.mode == "split" and kwargs.get("destination_xml"):
+            kwargs["destination_xml"] = planning.split_destination_xml(kwargs["destination_xml"])
+        LOG.debug("FlexMig: migrating with libvirt flags %#x", kwargs["flags"])
+        self._guest.migrate(destination, **kwargs)
+
+
+class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
+    def __init__(self, virtapi: Any, read_only: bool = False) -> None:
+        flexmig_conf.validate(CONF)
+        try:
+            self._flexmig_key = auth.load_key(CONF.flexmig.agent_key_file)
+        except exceptions.FlexMigError as exc:
+            raise flexmig_conf.InvalidConfig(option="agent_key_file", reason=str(exc)) from exc
+        # This host's agent, fixed at start like the rest of this host's config.
+        self._agent_endpoint = (CONF.flexmig.agent_address or CONF.my_ip, CONF.flexmig.agent_port)
+        super().__init__(virtapi, read_only)
+        self._flexmig_plans: dict[str, planning.MigrationPlan] = {}
+
+    # -- agents ---------------------------------------------------------------
+    def _local_agent(self) -> AgentClient:
+        return AgentClient(
+            *self._agent_endpoint,
+            self._flexmig_key,
+            timeout=CONF.flexmig.agent_timeout,
+        )
+
+    # -- destination ----------------------------------------------------------
+    def pre_live_migration(
+        self,
+        context: Any,
+        instance: Any,
+        block_device_info: Any,
+        network_info: Any,
+        disk_info: Any,
+        migrate_data: Any,
+    ) -> Any:
+        data = super().pre_live_migration(
+            context, instance, block_device_info, network_info, disk_info, migrate_data
+        )
+        try:
+            offer = self._offer(instance, data)
+        except (exceptions.FlexMigError, KeyError, TypeError, ValueError) as exc:
+            # KeyError/TypeError/ValueError: facts not in the agent API's shape.
+            raise exception.MigrationPreCheckError(
+                reason=f"FlexMig destination could not prepare: {exc}"
+            ) from exc
+        LOG.info(
+            "FlexMig destination: %d MiB free for VMs%s",
+            offer.free_for_vms_bytes // MIB,
+            f"; reserved a {offer.split_budget_bytes // MIB} MiB split budget"
+            if offer.split_budget_bytes is not None
+            else "",
+            instance=instance,
+        )
+        return FlexMigLiveMigrateData.extend(data, offer)
+
+    def _offer(self, instance: Any, data: Any) -> DestinationOffer:
+        agent = self._local_agent()
+        facts = agent.get("/v1/facts")
+        ram = instance.flavor.memory_mb * MIB
+        budget = split_budget(ram, int(facts["free_for_vms_bytes"]))
+        reserved = None
+        if (
+            budget is not None
+            and budget >= MIN_SPLIT_BUDGET
+            and "split" in CONF.flexmig.allowed_modes
+            and CONF.libvirt.file_backed_memory
+        ):
+            agent.post(
+                "/v1/split/prepare",
+                {"vm": instance.name, "ram_bytes": ram, "budget_bytes": budget},
+            )
+            reserved = budget
+        migration_id = data.migration.uuid if "migration" in data else instance.uuid
+        scope, key = planning.scoped_credential(
+            self._flexmig_key,
+            migration_id,
+            instance.name,
+            time.time() + CONF.flexmig.credential_ttl,
+        )
+        return DestinationOffer(
+            agent_address=agent.address,
+            agent_port=agent.port,
+            scope=scope,
+            scoped_key=key,
+            free_for_vms_bytes=int(facts["free_for_vms_bytes"]),
+            store_free_bytes=int(facts["store_free_bytes"]),
+            split_budget_bytes=reserved,
+        )
+
+    def rollback_live_migration_at_destination(
+        self,
+        context: Any,
+        instance: Any,
+        network_info: Any,
+        block_device_info: Any,
+        destroy_disks: bool = True,
+        migrate_data: Any = None,
+    ) -> None:
+        try:
+            super().rollback_live_migration_at_destination(
+                context, instance, network_info, block_device_info, destroy_disks, migrate_data
+            )
+        finally:
+            offer = offer_of(migrate_data)
+            if offer is not None and offer.split_budget_bytes is not None:
+                self._release_split(instance)
+
+    def _release_split(self, instance: Any) -> None:
+        try:
+            self._local_agent().post("/v1/split/cleanup", {"vm": instance.name})
+            LOG.info("FlexMig: released the split reservation", instance=instance)
+        except exceptions.FlexMigError as exc:
+            # The libvirt hook releases it too when the domain goes away.
+            LOG.warning("FlexMig: could not release the split reservation: %s", exc)
+
+    # -- source ---------------------------------------------------------------
+    def _live_migration(
+        self,
+        context: Any,
+        instance: Any,
+        dest: str,
+        post_method: Any,
+        recover_method: Any,
+        block_migration: bool,
+        migrate_data: Any,
+    ) -> None:
+        offer = offer_of(migrate_data)
+        if offer is None:
+            LOG.info("FlexMig: %s offered no FlexMig data; Nova's own migration", dest)
+            super()._live_migration(
+                context, instance, dest, post_method, recover_method, block_migration, migrate_data
+            )
+            return
+        try:
+            guest = self._host.get_guest(instance)
+            plan = planning.plan(
+                self._host.get_connection(),
+                guest._domain,
+                CONF.host,
+                offer,
+                CONF,
+                paused=instance.vm_state == vm_states.PAUSED,
+            )
+        except planning.PlanningFailed as exc:
+            LOG.error("%s; the VM stays on this host", exc, instance=instance)
+            self._record_event(context, instance, "flexmig_refused")
+            recover_method(context, instance, dest, migrate_data)
+            return
+        LOG.info(
+            "FlexMig chose %s:\n%s", plan.decision.mode, plan.decision.explain(), instance=instance
+        )
+        self._record_event(context, instance, f"flexmig_{plan.decision.mode}")
+        self._flexmig_plans[instance.uuid] = plan
+        try:
+            super()._live_migration(
+                context, instance, dest, post_method, recover_method, block_migration, migrate_data
+            )
+        finally:
+            self._flexmig_plans.pop(instance.uuid, None)
+
+    def _record_event(self, context: Any, instance: Any, name: str) -> None:
+        """The choice, as an event of the server's live-migration action (os-instance-actions)."""
+        try:
+            with compute_utils.EventReporter(
+                context, name, CONF.host, instance.uuid, graceful_exit=True
+            ):
+                pass
+        except Exception as exc:  # noqa: BLE001 - a report must never fail the migration
+            LOG.warning("FlexMig: could not record event %s: %s", name, exc)
+
+    def _live_migration_operation(
+        self,
+        context: Any,
+        instance: Any,
+        dest: str,
+        block_migration: bool,
+        migrate_data: Any,
+        guest: Any,
+        device_names: Any,
+    ) -> None:
+        plan = self._flexmig_plans.get(instance.uuid)
+        if plan is None:
+            super()._live_migration_operation(
+                context, instance, dest, block_migration, migrate_data, guest, device_names
+            )
+            return
+        try:
+            super()._live_migration_operation(
+                context,
+                instance,
+                dest,
+                block_migration,
+                migrate_data,
+                PlannedGuest(guest, plan),
+                device_names,
+            )
+        except Exception as exc:  # noqa: BLE001 - the job's state decides, not the call
+            # As Nova's own comment there says, what migrateToURI3 raises is
+            # taken with a pinch of salt: the monitor reads the job's outcome
+            # and has Nova roll back (the VM stays ACTIVE on this host).
+            # Re-raising would make Nova put the instance in ERROR after the
+            # rollback.
+            LOG.warning("FlexMig: migration call ended with %s", exc, instance=instance)
+
+    def _live_migration_monitor(
+        self,
+        context: Any,
+        instance: Any,
+        guest: Any,
+        dest: str,
+        post_method: Any,
+        recover_method: Any,
+        block_migration: bool,
+        migrate_data: Any,
+        future: Any,
+        disk_paths: Any,
+    ) -> None:
+        plan = self._flexmig_plans.get(instance.uuid)
+        if plan is None:
+            super()._live_migration_monitor(
+                context,
+                instance,
+                guest,
+                dest,
+                post_method,
+                recover_method,
+                block_migration,
+                migrate_data,
+                future,
+                disk_paths,
+            )
+            return
+        self._set_downtime(guest, plan, instance)
+        watch = monitor.PlanMonitor(
+            _libvirt(),
+            self._host,
+            plan,
+            migrate_data.migration,
+            CONF.flexmig.stall_timeout,
+            CONF.libvirt.live_migration_monitor_interval,
+            self.active_migrations,
+            CONF.flexmig.max_downtime_ms,
+        )
+
+        def done(_info: Any) -> None:
+            post_method(context, instance, dest, block_migration, migrate_data)
+
+        def failed(_info: Any, status: str | None) -> None:
+            extra = {"migration_status": status} if status else {}
+            recover_method(context, instance, dest, migrate_data, **extra)
+
+        try:
+            watch.run(instance, guest, future, done, failed)
+        finally:
+            self._clear_empty_migration(instance)
+
+    def _set_downtime(self, guest: Any, plan: planning.MigrationPlan, instance: Any) -> None:
+        """The decision's downtime limit, once, instead of Nova's stepped increase."""
+        deadline = time.monotonic() + CONF.flexmig.agent_timeout
+        while True:
+            try:
+                guest.migrate_configure_max_downtime(plan.decision.max_downtime_ms)
+                return
+            except _libvirt().libvirtError as exc:
+                # Before QEMU has the job, libvirt may refuse; retry briefly.
+                if time.monotonic() > deadline:
+                    LOG.warning("FlexMig: could not set the downtime limit: %s", exc)
+                    return
+                time.sleep(0.2)
+
+    def rollback_live_migration_at_source(
+        self, context: Any, instance: Any, migrate_data: Any
+    ) -> None:
+        super().rollback_live_migration_at_source(context, instance, migrate_data)
+        offer = offer_of(migrate_data)
+        if offer is None or offer.split_budget_bytes is None:
+            return
+        # Nova calls the destination's rollback only when it has files to
+        # clean (no shared instance path): release the reservation from here,
+        # with the credential the destination issued for this VM's migration.
+        try:
+            agent = planning.destination_agent(offer, CONF.flexmig.agent_timeout)
+            agent.post("/v1/split/cleanup", {"vm": instance.name})
+            LOG.info("FlexMig: released the destination's split reservation", instance=instance)
+        except exceptions.FlexMigError as exc:
+            LOG.warning("FlexMig: could not release the destination's split reservation: %s", exc)
+
+    def post_live_migration_at_source(self, context: Any, instance: Any, network_info: Any) -> None:
+        super().post_live_migration_at_source(context, instance, network_info)
+        self._release_leftover_split(instance)
+
+    def _release_leftover_split(self, instance: Any) -> None:
+        """A VM that arrived here by split leaves its reservation behind when it goes."""
+        try:
+            status = self._local_agent().get(f"/v1/split/{instance.name}")
+        except exceptions.FlexMigError as exc:
+            LOG.warning("FlexMig: could not ask the local agent about %s: %s", instance.name, exc)
+            return
+        if status.get("reservation"):
+            self._release_split(instance)

@@ -1,0 +1,260 @@
+"""What Nova's functional harness lacks for FlexMig: an agent, and a migrating QEMU.
+
+``InProcessAgent`` runs the real flexmig-agent service code (its router, HMAC
+verifier, host facts and split store) on loopback with a test key; its
+libvirt is libvirt's own ``test:///`` driver on an empty node, so its facts
+are computed, not stubbed.
+
+``GuestWorkloads`` extends Nova's fakelibvirt where it stops short of what
+FlexMig reads and drives, the way Nova's own tests stub ``migrateToURI3``:
+dirty-rate calculations answer from a per-guest dirty-page model (the
+seed-000 curve the policy fits), a domain keeps its ``memoryBacking``, and a
+migration runs in precopy rounds that publish job statistics, switch to
+postcopy only when asked and only with the postcopy flag, and complete, or
+fail when precopy cannot converge.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from typing import Any
+
+import fixtures
+from lxml import etree
+from nova.tests.fixtures import libvirt as fakelibvirt
+from oslo_config import cfg
+
+from agents.agent import api, auth
+from agents.agent import config as agent_config
+from agents.agent.client import AgentClient
+from agents.agent.service import Agent
+
+MIB = 2**20
+PAGE = 4096
+TEST_KEY = b"flexmig-nova-functional-test-key"
+ROUND_S = 0.6  # longer than the driver's 0.5 s poll: it sees every round
+MAX_PRECOPY_ROUNDS = 10
+STREAM_BPS = 64 * MIB  # the rate the emulated stream reports (memory_bps)
+
+
+class InProcessAgent(fixtures.Fixture):
+    """A flexmig-agent serving on 127.0.0.1 with ``memory_budget_mb`` for VMs."""
+
+    def __init__(self, memory_budget_mb: int) -> None:
+        super().__init__()
+        self.memory_budget_mb = memory_budget_mb
+
+    def _setUp(self) -> None:
+        root = self.useFixture(fixtures.TempDir()).path
+        self.key_file = os.path.join(root, "agent.key")
+        with open(self.key_file, "wb") as f:
+            f.write(TEST_KEY)
+        node = os.path.join(root, "node.xml")
+        with open(node, "w", encoding="ascii") as f:
+            f.write("<node>\n</node>\n")
+        self.store_dir = os.path.join(root, "store")
+        os.mkdir(self.store_dir)
+        settings = {
+            "listen_address": "127.0.0.1",
+            "key_file": self.key_file,
+            "store_dir": self.store_dir,
+            "state_dir": os.path.join(root, "state"),
+            "libvirt_uri": f"test://{node}",
+            "memory_budget_mb": self.memory_budget_mb,
+            "cgroup_parent": f"flexmig-nova-test-{os.getpid()}",
+        }
+        conf_file = os.path.join(root, "flexmig-agent.conf")
+        with open(conf_file, "w", encoding="ascii") as f:
+            f.write("[agent]\n" + "".join(f"{k} = {v}\n" for k, v in settings.items()))
+        conf = cfg.ConfigOpts()
+        conf.register_opts(agent_config.agent_opts, group="agent")
+        conf(["--config-file", conf_file], project="flexmig-test", default_config_files=[])
+        self.agent = Agent(conf)
+        server = api.make_servers(
+            "127.0.0.1", 0, None, auth.Verifier(self.agent.key), self.agent.router
+        )[0]
+        self.port = server.server_address[1]
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        self.addCleanup(thread.join, 10)
+        self.addCleanup(server.server_close)
+        self.addCleanup(server.shutdown)
+
+    def client(self) -> AgentClient:
+        return AgentClient("127.0.0.1", self.port, TEST_KEY)
+
+    def reservation(self, vm: str) -> dict[str, int] | None:
+        return self.client().get(f"/v1/split/{vm}")["reservation"]
+
+
+@dataclasses.dataclass
+class Workload:
+    """A guest's writable working set (pages) and its half-life: D(t) = M(1 - 2^(-t/tau))."""
+
+    m_pages: float = 0.0
+    tau_s: float = 1.0
+    converges: bool = True  # whether precopy alone can finish
+
+    def mib_per_s(self, seconds: int) -> int:
+        pages = self.m_pages * (1 - 0.5 ** (seconds / self.tau_s))
+        return round(pages * PAGE / MIB / seconds)
+
+
+IDLE = Workload()
+# 200 MiB rewritten with a 0.5 s half-life: far above what the stream moves.
+HOT = Workload(m_pages=200 * MIB / PAGE, tau_s=0.5, converges=False)
+
+
+@dataclasses.dataclass
+class MigrationSeen:
+    """What the emulated QEMU was asked to do for one migration."""
+
+    vm: str
+    flags: int
+    params: dict[str, Any]
+    max_downtime_ms: list[int] = dataclasses.field(default_factory=list)
+    dirty_periods: list[int] = dataclasses.field(default_factory=list)
+    postcopy_after_round: int | None = None
+    paused_at_round: int | None = None  # stop-and-copy: the guest paused mid-precopy
+    rounds: int = 0
+    outcome: str = "not started"
+
+
+class GuestWorkloads(fixtures.Fixture):
+    """Per-guest workloads and migration behaviour for Nova's fakelibvirt."""
+
+    def __init__(self, dest_connection: Any) -> None:
+        super().__init__()
+        self.dest_connection = dest_connection
+        self.workloads: dict[str, Workload] = {}
+        self.fail: set[str] = set()
+        self.seen: dict[str, MigrationSeen] = {}
+        self.hold = threading.Event()  # set: rounds run freely
+        self.hold.set()
+
+    def _setUp(self) -> None:
+        harness = self
+        domain = fakelibvirt.Domain
+        parse = domain._parse_definition
+        xml_desc = domain.XMLDesc
+
+        def parse_keeping_backing(dom: Any, xml: str) -> dict[str, Any]:
+            definition = parse(dom, xml)
+            backing = etree.fromstring(xml).find("./memoryBacking")
+            definition["memory_backing"] = (
+                etree.tostring(backing, encoding="unicode") if backing is not None else ""
+            )
+            return definition
+
+        def xml_with_backing(dom: Any, flags: int) -> str:
+            xml = xml_desc(dom, flags)
+            backing = dom._def.get("memory_backing", "")
+            return xml.replace("</domain>", backing + "</domain>", 1) if backing else xml
+
+        def start_dirty_rate_calc(dom: Any, seconds: int, flags: int = 0) -> None:
+            dom._dirty_period = seconds
+            harness.record(dom.name()).dirty_periods.append(seconds)
+
+        def job_stats(dom: Any, flags: int = 0) -> dict[str, int]:
+            return dict(getattr(dom, "_flexmig_job", None) or {"type": dom._job_type})
+
+        def set_max_downtime(dom: Any, ms: int) -> None:
+            harness.record(dom.name()).max_downtime_ms.append(ms)
+
+        def start_postcopy(dom: Any, flags: int = 0) -> None:
+            record = harness.record(dom.name())
+            if not record.flags & fakelibvirt.VIR_MIGRATE_POSTCOPY:
+                raise fakelibvirt.make_libvirtError(
+                    fakelibvirt.libvirtError,
+                    "Requested operation is not valid: postcopy migration was not enabled",
+                    error_code=fakelibvirt.VIR_ERR_OPERATION_INVALID,
+                    error_domain=fakelibvirt.VIR_FROM_QEMU,
+                )
+            record.postcopy_after_round = record.rounds
+
+        def list_stats(conn: Any, doms: list[Any], stats: int, flags: int = 0) -> list[Any]:
+            out = []
+            for dom in doms:
+                period = getattr(dom, "_dirty_period", 1)
+                load = harness.workloads.get(dom.name(), IDLE)
+                out.append(
+                    (
+                        dom,
+                        {
+                            "dirtyrate.calc_status": 2,  # VIR_DOMAIN_DIRTYRATE_MEASURED
+                            "dirtyrate.calc_period": period,
+                            "dirtyrate.megabytes_per_second": load.mib_per_s(period),
+                        },
+                    )
+                )
+            return out
+
+        for name, value in {
+            "_parse_definition": parse_keeping_backing,
+            "XMLDesc": xml_with_backing,
+            "startDirtyRateCalc": start_dirty_rate_calc,
+            "jobStats": job_stats,
+            "migrateSetMaxDowntime": set_max_downtime,
+            "migrateStartPostCopy": start_postcopy,
+            "migrateToURI3": self._migrate,
+        }.items():
+            self.useFixture(fixtures.MonkeyPatch(f"{domain.__module__}.Domain.{name}", value))
+        self.useFixture(
+            fixtures.MonkeyPatch(f"{domain.__module__}.Connection.domainListGetStats", list_stats)
+        )
+
+    def record(self, vm: str) -> MigrationSeen:
+        return self.seen.setdefault(vm, MigrationSeen(vm, 0, {}))
+
+    def _migrate(self, dom: Any, dconnuri: str, params: dict[str, Any], flags: int) -> None:
+        """QEMU's precopy rounds, as job statistics the driver's monitor reads."""
+        record = self.record(dom.name())
+        record.flags, record.params, record.outcome = flags, params, "running"
+        load = self.workloads.get(dom.name(), IDLE)
+        total = dom.maxMemory() * 1024
+        processed = 0
+        for index in range(1, MAX_PRECOPY_ROUNDS + 1):
+            record.rounds = index
+            sent = total if index == 1 else min(total, round(load.m_pages * PAGE) or total // 64)
+            processed += sent
+            dirty = round(load.m_pages * PAGE) if not load.converges else total // (64 * index)
+            dom._flexmig_job = {
+                "type": fakelibvirt.VIR_DOMAIN_JOB_UNBOUNDED,
+                "memory_total": total,
+                "memory_processed": processed,
+                "memory_remaining": dirty,
+                "memory_iteration": index,
+                "memory_bps": STREAM_BPS,
+            }
+            time.sleep(ROUND_S)
+            if index == 1:
+                self.hold.wait(30)
+            if record.postcopy_after_round is not None:
+                break
+            if dom._state == fakelibvirt.VIR_DOMAIN_PAUSED:
+                # A paused guest dirties nothing: the remainder moves and QEMU completes.
+                record.paused_at_round = index
+                break
+            if load.converges and index >= 2:
+                break
+        converged = load.converges or (
+            record.postcopy_after_round is not None or record.paused_at_round is not None
+        )
+        if dom.name() in self.fail or not converged:
+            record.outcome = "failed"
+            dom._flexmig_job = None
+            dom.fail_job()
+            raise fakelibvirt.make_libvirtError(
+                fakelibvirt.libvirtError,
+                "operation failed: migration out of job: "
+                + ("injected failure" if dom.name() in self.fail else "precopy never converged"),
+                error_code=fakelibvirt.VIR_ERR_OPERATION_FAILED,
+                error_domain=fakelibvirt.VIR_FROM_QEMU,
+            )
+        self.dest_connection().createXML(params["destination_xml"], 0)
+        record.outcome = "completed"
+        dom._flexmig_job = None
+        dom.complete_job()

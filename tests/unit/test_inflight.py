@@ -1,0 +1,55 @@
+"""In-flight correction of a precopy whose stream is slower than planned."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flexmig.policy import inflight
+
+MIB = 2**20
+SLOW = inflight.Progress(
+    iteration=8,
+    processed_bytes=600 * MIB,
+    remaining_bytes=4 * MIB,
+    ram_bytes=512 * MIB,
+    bandwidth_bps=13 * MIB,
+)
+
+
+def _adjust(progress: inflight.Progress, limit_ms: int = 20, postcopy: bool = False):
+    return inflight.adjust(
+        progress, planned_rounds=4, limit_ms=limit_ms, budget_ms=300, postcopy_enabled=postcopy
+    )
+
+
+def test_a_remainder_that_fits_the_limit_needs_nothing() -> None:
+    fast = dataclasses.replace(SLOW, bandwidth_bps=1000 * MIB)  # 4 ms
+    assert _adjust(fast).action == "none"
+
+
+def test_nothing_changes_while_the_plan_has_rounds_left() -> None:
+    assert _adjust(dataclasses.replace(SLOW, iteration=6)).action == "none"  # 4 + 2 slack
+
+
+def test_past_the_plan_the_limit_rises_to_the_budget() -> None:
+    change = _adjust(SLOW)
+    assert (change.action, change.downtime_ms) == ("raise_downtime", 300)
+    assert "13.0 MiB/s" in change.reason
+
+
+def test_postcopy_is_preferred_where_the_plan_enabled_it() -> None:
+    assert _adjust(SLOW, postcopy=True).action == "switch_postcopy"
+
+
+def test_at_the_byte_cap_with_the_budget_in_force_it_stops_and_copies() -> None:
+    capped = dataclasses.replace(SLOW, processed_bytes=3 * 512 * MIB + 1)
+    assert _adjust(capped, limit_ms=300).action == "stop_and_copy"
+
+
+def test_with_the_budget_in_force_and_no_cap_yet_it_keeps_iterating() -> None:
+    assert _adjust(SLOW, limit_ms=300).action == "none"
+
+
+def test_no_observed_bandwidth_is_no_reason_to_act_early() -> None:
+    unknown = dataclasses.replace(SLOW, iteration=2, bandwidth_bps=0)
+    assert _adjust(unknown).action == "none"

@@ -1,0 +1,70 @@
+"""Migration-scoped agent credentials: what they may do, and for how long."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from agents.agent import auth
+
+KEY = b"deployment-shared-key-0123456789"
+NOW = 1_800_000_000.0
+SCOPE = auth.scope_for("0f25fdf1-0453", "instance-00000001", NOW + 600)
+SCOPED_KEY = auth.scoped_key(KEY, SCOPE)
+
+
+def _verify(method: str, path: str, body: bytes = b"", scope: str = SCOPE, now: float = NOW):
+    headers = auth.sign(SCOPED_KEY, method, path, body, now=now, scope=scope)
+    auth.Verifier(KEY).verify(method, path, headers, body, now=now)
+
+
+@pytest.mark.parametrize("path", ["/v1/health", "/v1/facts", "/v1/probe/8", "/v1/split/vm-1"])
+def test_reads_are_allowed(path: str) -> None:
+    _verify("GET", path)
+
+
+def test_releasing_its_own_vm_is_allowed() -> None:
+    _verify("POST", "/v1/split/cleanup", json.dumps({"vm": "instance-00000001"}).encode())
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/v1/split/cleanup", {"vm": "instance-00000002"}),
+        (
+            "POST",
+            "/v1/split/prepare",
+            {"vm": "instance-00000001", "ram_bytes": 1, "budget_bytes": 1},
+        ),
+        ("POST", "/v1/migrations", {"vm": "instance-00000001", "dest": {}}),
+        ("GET", "/v1/migrations", None),
+    ],
+)
+def test_anything_else_is_refused(method: str, path: str, body: dict | None) -> None:
+    raw = json.dumps(body).encode() if body is not None else b""
+    with pytest.raises(auth.AuthError, match="may not"):
+        _verify(method, path, raw)
+
+
+def test_an_expired_credential_is_refused() -> None:
+    with pytest.raises(auth.AuthError, match="expired"):
+        _verify("GET", "/v1/facts", now=NOW + 601)
+
+
+def test_a_widened_scope_does_not_verify() -> None:
+    # The holder cannot stretch its expiry: the key was derived for the original scope.
+    longer = auth.scope_for("0f25fdf1-0453", "instance-00000001", NOW + 86400)
+    with pytest.raises(auth.AuthError, match="bad signature"):
+        _verify("GET", "/v1/facts", scope=longer)
+
+
+def test_a_malformed_scope_is_refused() -> None:
+    with pytest.raises(auth.AuthError, match="malformed"):
+        _verify("GET", "/v1/facts", scope="migration/../../etc")
+
+
+def test_the_scoped_key_is_not_the_shared_key() -> None:
+    headers = auth.sign(SCOPED_KEY, "GET", "/v1/facts", b"", now=NOW)  # no scope header
+    with pytest.raises(auth.AuthError, match="bad signature"):
+        auth.Verifier(KEY).verify("GET", "/v1/facts", headers, b"", now=NOW)
