@@ -80,6 +80,7 @@ class MigrationRecord:
     dest: str
     requested_mode: str
     bandwidth_mib: int = 0
+    downtime_budget_ms: int = 0
     requested_transport: str = "auto"
     transport: TransportChoice | None = None
     state: str = "planning"
@@ -221,6 +222,7 @@ class MigrationService:
             record.decision = self.plan(
                 record.vm, dest, record.requested_mode, max_downtime_ms, record.bandwidth_mib
             )
+            record.downtime_budget_ms = max_downtime_ms or self.conf.agent.max_downtime_ms
             record.event(f"decided: {record.decision.mode}")
             record.state = "running"
             self._execute(record, dest)
@@ -264,6 +266,7 @@ class MigrationService:
             bandwidth_mib=record.bandwidth_mib,
             stall_timeout_s=self.conf.agent.stall_timeout,
             recovery_timeout_s=self.conf.agent.recovery_timeout,
+            downtime_budget_ms=record.downtime_budget_ms,
         )
 
         def progress(phase: str, stats: dict[str, int]) -> None:

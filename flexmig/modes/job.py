@@ -17,8 +17,9 @@ from collections.abc import Callable
 
 import libvirt
 
-from flexmig import hypervisor
+from flexmig import exceptions, hypervisor
 from flexmig.modes.base import MigrationMode
+from flexmig.policy import inflight
 from flexmig.policy.decision import Decision
 
 ProgressFn = Callable[[str, dict[str, int]], None]
@@ -35,6 +36,8 @@ class JobConfig:
     stall_timeout_s: float = 15.0
     recovery_timeout_s: float = 300.0
     poll_s: float = 0.2
+    # The full downtime budget (the decision may use a tighter limit); 0: the decision's.
+    downtime_budget_ms: int = 0
 
 
 @dataclasses.dataclass
@@ -73,6 +76,8 @@ class MigrationJob:
         self.peer_alive = peer_alive
         self.result = JobResult(state="running")
         self._abort_reason: str | None = None
+        self._limit_ms = decision.max_downtime_ms
+        self._stopped = False  # paused for seed 000's stop-and-copy
 
     def _params(self) -> dict[str, object]:
         params: dict[str, object] = {libvirt.VIR_MIGRATE_PARAM_URI: self.config.migration_uri}
@@ -100,6 +105,8 @@ class MigrationJob:
             self._keep_source_running()
         else:
             self.result.state = "completed"
+            if self._stopped:
+                self._resume_on_destination()
         self.result.elapsed_s = time.monotonic() - start
         return self.result
 
@@ -130,6 +137,39 @@ class MigrationJob:
             self.decision, stats
         ):
             self._switch_to_postcopy(stats)
+        elif not self.result.switched_to_postcopy and not self._stopped:
+            self._correct(stats)
+
+    def _correct(self, stats: dict[str, int]) -> None:
+        """A stream slower than planned: the policy's in-flight correction."""
+        change = inflight.adjust(
+            inflight.Progress(
+                iteration=stats.get("memory_iteration", 0),
+                processed_bytes=stats.get("memory_processed", 0),
+                remaining_bytes=stats.get("memory_remaining", 0),
+                ram_bytes=self.decision.ram_bytes,
+                bandwidth_bps=float(stats.get("memory_bps", 0)),
+            ),
+            planned_rounds=len(self.decision.prediction.rounds),
+            limit_ms=self._limit_ms,
+            budget_ms=max(self.config.downtime_budget_ms, self.decision.max_downtime_ms),
+            postcopy_enabled=self.decision.transfer == "postcopy",
+        )
+        if change.action == "none":
+            return
+        self.on_event(change.reason)
+        try:
+            if change.action == "switch_postcopy":
+                self._switch_to_postcopy(stats)
+            elif change.action == "raise_downtime" and change.downtime_ms is not None:
+                self._limit_ms = change.downtime_ms
+                self.dom.migrateSetMaxDowntime(change.downtime_ms)
+            elif change.action == "stop_and_copy":
+                self._stopped = True
+                # A failed migration resumes it (_keep_source_running).
+                self.dom.suspend()
+        except libvirt.libvirtError as exc:
+            self.on_event(f"libvirt refused the correction: {exc.get_error_message()}")
 
     def _stats(self) -> dict[str, int]:
         try:
@@ -160,6 +200,17 @@ class MigrationJob:
                 self.dom.abortJob()
         except libvirt.libvirtError as exc:
             self.on_event(f"libvirt refused the interruption: {exc.get_error_message()}")
+
+    def _resume_on_destination(self) -> None:
+        """A VM paused for stop-and-copy must run where it landed."""
+        try:
+            with hypervisor.connect(self.config.dest_libvirt_uri, "destination") as conn:
+                dom = hypervisor.find_domain(conn, self.dom.name())
+                if dom is not None and dom.state()[0] == libvirt.VIR_DOMAIN_PAUSED:
+                    dom.resume()
+                    self.on_event("resumed the VM on the destination after stop-and-copy")
+        except (libvirt.libvirtError, exceptions.FlexMigError) as exc:
+            self.on_event(f"could not resume the VM on the destination: {exc}")
 
     def _keep_source_running(self) -> None:
         """After a failed precopy the VM must run on the source, never stay paused."""
