@@ -98,9 +98,9 @@ agent_opts = [
     ),
 ]
 
-# The global object, as in every OpenStack service: oslo.privsep reads its
-# [privsep_agent] group from it.
-CONF = cfg.CONF
+# The agent's own object: processes that import agent code (the Nova driver,
+# tests) must not find required [agent] options on their global cfg.CONF.
+CONF = cfg.ConfigOpts()
 CONF.register_opts(agent_opts, group="agent")
 
 

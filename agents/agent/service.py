@@ -199,7 +199,10 @@ class Agent:
 def main(argv: list[str] | None = None) -> int:
     conf = config.CONF
     try:
-        conf(sys.argv[1:] if argv is None else argv, project="flexmig", prog="flexmig-agent")
+        args = sys.argv[1:] if argv is None else argv
+        conf(args, project="flexmig", prog="flexmig-agent")
+        # oslo.privsep reads its [privsep_agent] group from the global object.
+        cfg.CONF(args, project="flexmig", prog="flexmig-agent", default_config_files=[])
         agent = Agent(conf)
         privileged.start()
         servers = api.make_servers(
