@@ -1,0 +1,220 @@
+"""The os-ken OpenFlow 1.3 application controlling one bridge (br-int).
+
+Modelled on Neutron's native OpenFlow agent: pinned to OpenFlow 1.3, every rule
+it installs carries a cookie under :data:`~ovs_ext.flows.COOKIE_MASK` so it
+knows what it owns (and deletes exactly that at start and at exit).  It does
+the OpenFlow I/O only; every decision is :class:`~ovs_ext.control.OffloadControl`'s.
+
+Threads: os-ken's native hub runs this app's event loop (packet-ins, port
+changes, stats replies) in one thread and the poller in another; both take
+``runtime.lock`` before touching the control state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from os_ken.base import app_manager
+from os_ken.controller import ofp_event
+from os_ken.controller.handler import CONFIG_DISPATCHER, MAIN_DISPATCHER, set_ev_cls
+from os_ken.lib import hub
+from os_ken.ofproto import ofproto_v1_3
+
+from ovs_ext import openflow
+from ovs_ext.control import OffloadControl
+from ovs_ext.providers.base import FlowCounters, OffloadError
+
+LOG = logging.getLogger("flexmig.ovs_ext.app")
+# A stats request unanswered this many intervals is given up and re-sent.
+STATS_REPLY_PATIENCE = 20
+
+
+@dataclasses.dataclass
+class Runtime:
+    """What the service hands the app: the control core and its settings."""
+
+    control: OffloadControl
+    bridge: str
+    poll_interval: float
+    status_file: str = ""
+    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
+    stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
+    connected: threading.Event = dataclasses.field(default_factory=threading.Event)
+    app: OffloadApp | None = None
+
+
+class OffloadApp(app_manager.OSKenApp):
+    OFP_VERSIONS = [ofproto_v1_3.OFP_VERSION]
+
+    def __init__(self, *args: Any, offload_runtime: Runtime, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rt = offload_runtime
+        self.rt.app = self
+        self.datapath: Any = None
+        self.port_names: dict[int, str] = {}
+        self.port_numbers: dict[str, int] = {}
+        self.mac_ports: dict[str, str] = {}
+        self._stats_parts: dict[int, FlowCounters] = {}
+        self._stats_sent_at: float | None = None
+        self._poller = hub.spawn(self._poll_loop)
+
+    # -- switch connection ---------------------------------------------------------
+    @set_ev_cls(ofp_event.EventOFPSwitchFeatures, CONFIG_DISPATCHER)
+    def _switch_features(self, ev: Any) -> None:
+        dp = ev.msg.datapath
+        LOG.info("bridge %s connected (datapath %016x)", self.rt.bridge, dp.id)
+        self.datapath = dp
+        # Rules of an earlier run are stale: their flows are forgotten.
+        self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto))
+        self.send(dp.ofproto_parser.OFPPortDescStatsRequest(dp, 0))
+        self.rt.connected.set()
+
+    @set_ev_cls(ofp_event.EventOFPPortDescStatsReply, MAIN_DISPATCHER)
+    def _port_desc(self, ev: Any) -> None:
+        for port in ev.msg.body:
+            self._port_up(port.port_no, _name(port.name))
+
+    @set_ev_cls(ofp_event.EventOFPPortStatus, MAIN_DISPATCHER)
+    def _port_status(self, ev: Any) -> None:
+        msg = ev.msg
+        ofproto = msg.datapath.ofproto
+        name = _name(msg.desc.name)
+        if msg.reason == ofproto.OFPPR_DELETE:
+            self._port_down(msg.desc.port_no, name)
+        else:
+            self._port_up(msg.desc.port_no, name)
+
+    def _port_up(self, ofport: int, name: str) -> None:
+        if ofport >= ofproto_v1_3.OFPP_MAX or self.port_names.get(ofport) == name:
+            return
+        self.port_names[ofport] = name
+        self.port_numbers[name] = ofport
+        with self.rt.lock:
+            dispatchers = self.rt.control.dispatchers
+            if not dispatchers.watches(name):
+                return
+            self.rt.control.port_added(name)
+        dp = self.datapath
+        for mod in openflow.discovery_rules(dp.ofproto_parser, dp.ofproto, ofport):
+            self.send(mod)
+        LOG.info("watching port %s (ofport %d)", name, ofport)
+
+    def _port_down(self, ofport: int, name: str) -> None:
+        self.port_names.pop(ofport, None)
+        self.port_numbers.pop(name, None)
+        with self.rt.lock:
+            gone = self.rt.control.port_removed(name)
+        dp = self.datapath
+        for flow in gone:
+            self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto, flow.cookie, 2**64 - 1))
+        self.mac_ports = {mac: port for mac, port in self.mac_ports.items() if port != name}
+        LOG.info("port %s left the bridge; %d flows dropped", name, len(gone))
+
+    # -- flow setup: the first packet is judged here -----------------------------------
+    @set_ev_cls(ofp_event.EventOFPPacketIn, MAIN_DISPATCHER)
+    def _packet_in(self, ev: Any) -> None:
+        msg = ev.msg
+        dp = msg.datapath
+        in_ofport = msg.match["in_port"]
+        in_port = self.port_names.get(in_ofport)
+        parsed = openflow.parse_packet(msg.data)
+        if parsed is None or in_port is None:
+            return
+        self.mac_ports[parsed.eth_src] = in_port
+        if parsed.eth_type == openflow.ETH_TYPE_ARP:
+            return  # learnt; the rule's NORMAL action already forwarded it
+        match = openflow.flow_match(in_port, parsed)
+        if match is not None:
+            out_port = self.mac_ports.get(parsed.eth_dst)
+            with self.rt.lock:
+                flow, new = self.rt.control.flow_seen(match, out_port)
+                self.rt.control.flows.count_packet_in(match, msg.total_len)
+            if new:
+                rule = openflow.flow_rule(
+                    dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match
+                )
+                self.send(rule)
+        # The discovery rule only sent it here: forward it as the bridge would.
+        self.send(openflow.packet_out_normal(dp.ofproto_parser, dp.ofproto, in_ofport, msg.data))
+
+    # -- statistics ------------------------------------------------------------------
+    def _poll_loop(self) -> None:
+        while not self.rt.stopping.is_set():
+            started = time.monotonic()
+            try:
+                self._request_stats()
+            except Exception:  # noqa: BLE001 - the poller must outlive one bad round
+                LOG.exception("statistics poll failed")
+            self.rt.stopping.wait(max(0.0, self.rt.poll_interval - (time.monotonic() - started)))
+
+    def _request_stats(self) -> None:
+        dp = self.datapath
+        if dp is None:
+            return
+        sent = self._stats_sent_at
+        patience = STATS_REPLY_PATIENCE * self.rt.poll_interval
+        if sent is not None and time.monotonic() - sent < patience:
+            return  # the previous poll is still being answered
+        self._stats_parts = {}
+        self._stats_sent_at = time.monotonic()
+        self.send(openflow.owned_stats_request(dp.ofproto_parser, dp.ofproto))
+
+    @set_ev_cls(ofp_event.EventOFPFlowStatsReply, MAIN_DISPATCHER)
+    def _flow_stats(self, ev: Any) -> None:
+        msg = ev.msg
+        from ovs_ext import flows as flows_mod
+
+        for stat in msg.body:
+            flow_id = flows_mod.cookie_flow_id(stat.cookie)
+            if flow_id is not None:
+                self._stats_parts[flow_id] = FlowCounters(stat.packet_count, stat.byte_count)
+        if msg.flags & msg.datapath.ofproto.OFPMPF_REPLY_MORE:
+            return
+        rule_stats, self._stats_parts = self._stats_parts, {}
+        self._stats_sent_at = None
+        with self.rt.lock:
+            control = self.rt.control
+            try:
+                provider_stats = control.provider.stats()
+            except OffloadError as exc:
+                LOG.error("provider %s statistics: %s", control.provider_name, exc)
+                provider_stats = {}
+            control.poll(rule_stats, provider_stats)
+            if self.rt.status_file:
+                _write_json(self.rt.status_file, control.status())
+
+    # -- helpers ------------------------------------------------------------------------
+    def send(self, msg: Any) -> None:
+        dp = self.datapath
+        if dp is None:
+            return
+        msg.datapath = dp
+        dp.send_msg(msg)
+
+    def ofport_of(self, name: str | None) -> int | None:
+        return None if name is None else self.port_numbers.get(name)
+
+    def remove_owned_rules(self) -> None:
+        """At exit: give every flow back to the bridge's own NORMAL rule."""
+        dp = self.datapath
+        if dp is not None:
+            self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto))
+            self.send(dp.ofproto_parser.OFPBarrierRequest(dp))
+
+
+def _name(raw: bytes | str) -> str:
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+
+
+def _write_json(path: str, data: object) -> None:
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(target)

@@ -1,0 +1,92 @@
+"""flexmig-offload options (oslo.config), group ``[offload]``.
+
+``oslo-config-generator --namespace flexmig.offload`` prints them with their
+help.  Providers carry their own options under ``[offload_<name>]``.
+"""
+
+from __future__ import annotations
+
+from oslo_config import cfg
+
+GROUP = "offload"
+PROVIDER_NAMESPACE = "flexmig.offload_providers"
+
+offload_opts = [
+    cfg.StrOpt(
+        "provider",
+        default="xdp",
+        choices=[
+            ("xdp", "XDP/eBPF eSwitch on the VM ports and uplink (any Linux host)"),
+            ("tc-flower", "tc flower rules with skip_sw on switchdev VF representors"),
+            ("noop", "reference provider: accepts entries, carries no traffic"),
+        ],
+        help="Offload provider (entry point in flexmig.offload_providers) that "
+        "carries offloaded flows.",
+    ),
+    cfg.StrOpt(
+        "policy_file",
+        default="/etc/flexmig/offload-policy.yaml",
+        help="YAML policy: header rules, statistics rule and offload capacity "
+        "(see ovs_ext/policy.py). Re-read on SIGHUP; an invalid file is "
+        "rejected whole and the running policy stays.",
+    ),
+    cfg.StrOpt(
+        "bridge",
+        default="br-int",
+        regex=r"^[A-Za-z0-9_.-]{1,15}$",
+        help="Integration bridge whose VM ports and uplinks the app controls.",
+    ),
+    cfg.FloatOpt(
+        "poll_interval",
+        default=0.1,
+        min=0.02,
+        max=60.0,
+        help="Seconds between flow-statistics polls (OpenFlow rules and the "
+        "provider). Bounds promotion latency and how stale shown counters are.",
+    ),
+    cfg.StrOpt(
+        "controller_socket",
+        default="/run/flexmig/offload-of.sock",
+        help="UNIX socket the OpenFlow controller listens on; the bridge "
+        "connects to it (unix:<path>). Nothing listens on TCP.",
+    ),
+    cfg.BoolOpt(
+        "configure_bridge",
+        default=True,
+        help="At start, point the bridge's controller at controller_socket with "
+        "fail-mode standalone (the bridge keeps switching if the app dies) and "
+        "allow OpenFlow 1.0 and 1.3 (the app speaks 1.3 only).",
+    ),
+    cfg.StrOpt(
+        "stats_endpoint",
+        default="/run/openvswitch/br-int-offload.mgmt",
+        help="UNIX socket of the OpenFlow statistics endpoint. In OVS's rundir "
+        "with a .mgmt suffix, 'ovs-ofctl dump-flows br-int-offload' finds it "
+        "by name. Empty: no endpoint.",
+    ),
+    cfg.StrOpt(
+        "status_file",
+        default="/run/flexmig/offload-status.json",
+        help="JSON written every poll: each flow's state, counters and the "
+        "reason it is onloaded or offloaded. Empty: not written.",
+    ),
+    cfg.ListOpt(
+        "vm_port_patterns",
+        default=[r"tap\d+", r"ep-[a-z0-9]+"],
+        help="Regular expressions (whole name) of VM ports: each gets a "
+        "dispatcher. QEMU taps and the lab's traffic endpoints by default.",
+    ),
+    cfg.ListOpt(
+        "uplinks",
+        default=["phy0"],
+        help="Uplink ports: their flows towards VMs are the VMs' ingress flows.",
+    ),
+]
+
+
+def register_opts(conf: cfg.ConfigOpts) -> None:
+    conf.register_opts(offload_opts, group=GROUP)
+
+
+def list_opts() -> list[tuple[str, list[cfg.Opt]]]:
+    return [(GROUP, offload_opts)]

@@ -1,0 +1,205 @@
+"""``flexmig-offload``: the offload extension's service on one host.
+
+Loads the policy (an invalid one stops the start, naming the field, before
+anything touches the bridge), the configured provider through stevedore, then
+runs the os-ken app on ``controller_socket``, points the bridge at it and
+serves the statistics endpoint.  SIGHUP re-reads the policy (an invalid file
+is rejected whole: the running policy and every flow stay as they are);
+SIGTERM gives every flow back to the bridge and detaches the fast path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from types import FrameType
+
+from oslo_config import cfg
+from stevedore import driver
+
+from flexmig import exceptions
+from ovs_ext import config, policy
+from ovs_ext.control import OffloadControl
+from ovs_ext.dispatcher import Dispatchers
+from ovs_ext.providers.base import OffloadError, OffloadProvider
+
+LOG = logging.getLogger("flexmig.ovs_ext.service")
+OVS_VSCTL_TIMEOUT = 10
+CONTROLLER_WAIT = 30.0
+
+
+class OffloadServiceError(exceptions.FlexMigError):
+    msg_fmt = "flexmig-offload: %(reason)s"
+
+
+def load_provider(conf: cfg.ConfigOpts, name: str) -> OffloadProvider:
+    """The named provider plugin, its options registered under [offload_<name>]."""
+    try:
+        manager = driver.DriverManager(
+            namespace=config.PROVIDER_NAMESPACE, name=name, invoke_on_load=False
+        )
+    except Exception as exc:  # noqa: BLE001 - stevedore raises several types
+        raise OffloadServiceError(
+            reason=f"offload provider {name!r} could not be loaded: {exc}"
+        ) from exc
+    provider_cls = manager.driver
+    conf.register_opts(provider_cls.CONFIG_OPTS, group=f"offload_{name.replace('-', '_')}")
+    provider = provider_cls(conf)
+    description = provider.describe()
+    if not description.available:
+        raise OffloadServiceError(
+            reason=f"offload provider {name} cannot run here: {description.unavailable_reason}"
+        )
+    return provider
+
+
+def configure_bridge(bridge: str, controller_socket: str) -> None:
+    """Controller on a UNIX socket, fail-mode standalone, OpenFlow 1.0 and 1.3."""
+    cmd = [
+        "ovs-vsctl",
+        f"--timeout={OVS_VSCTL_TIMEOUT}",
+        "set-controller",
+        bridge,
+        f"unix:{controller_socket}",
+        "--",
+        "set-fail-mode",
+        bridge,
+        "standalone",
+        "--",
+        "set",
+        "bridge",
+        bridge,
+        "protocols=OpenFlow10,OpenFlow13",
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise OffloadServiceError(
+            reason=f"could not set {bridge}'s controller: {proc.stderr.strip()}"
+        )
+
+
+def _start_osken(runtime: object, controller_socket: str) -> list[object]:
+    from os_ken import cfg as osken_cfg
+    from os_ken.base import app_manager
+
+    osken_cfg.CONF([], project="os_ken")
+    # A UNIX path as listen host makes os-ken listen there; setting a port
+    # also stops it from opening its legacy TCP 6633 listener.
+    osken_cfg.CONF.set_override("ofp_listen_host", controller_socket)
+    osken_cfg.CONF.set_override("ofp_tcp_listen_port", 6653)
+    Path(controller_socket).parent.mkdir(parents=True, exist_ok=True)
+    Path(controller_socket).unlink(missing_ok=True)
+    manager = app_manager.AppManager.get_instance()
+    manager.load_apps(["ovs_ext.app"])
+    contexts = manager.create_contexts()
+    return manager.instantiate_apps(offload_runtime=runtime, **contexts)
+
+
+def _start_stats_endpoint(conf: cfg.ConfigOpts, runtime: object) -> object | None:
+    """The OpenFlow statistics endpoint ovs-ofctl reads (ovs_ext.openflow_stats)."""
+    path = conf.offload.stats_endpoint
+    if not path:
+        return None
+    try:
+        from ovs_ext.openflow_stats import server as stats_server
+    except ImportError:
+        LOG.warning("statistics endpoint not available in this build (ovs_ext.openflow_stats)")
+        return None
+    return stats_server.start_endpoint(path, runtime)  # type: ignore[attr-defined]
+
+
+def main(argv: list[str] | None = None) -> int:
+    conf = cfg.ConfigOpts()
+    config.register_opts(conf)
+    try:
+        conf(sys.argv[1:] if argv is None else argv, project="flexmig", prog="flexmig-offload")
+        opts = conf.offload
+        active_policy = policy.load_policy(opts.policy_file)
+        provider = load_provider(conf, opts.provider)
+    except (cfg.Error, exceptions.FlexMigError, OSError) as exc:
+        print(f"flexmig-offload: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    from ovs_ext.app import Runtime
+
+    dispatchers = Dispatchers(provider, opts.provider, opts.vm_port_patterns, opts.uplinks)
+    control = OffloadControl(active_policy, provider, opts.provider, dispatchers)
+    runtime = Runtime(control, opts.bridge, opts.poll_interval, opts.status_file)
+    LOG.info(
+        "provider %s (capacity %d), policy %s, bridge %s",
+        opts.provider,
+        control.capacity,
+        opts.policy_file,
+        opts.bridge,
+    )
+    services = _start_osken(runtime, opts.controller_socket)
+    endpoint = _start_stats_endpoint(conf, runtime)
+    _install_signal_handlers(runtime, opts.policy_file)
+    try:
+        if opts.configure_bridge:
+            configure_bridge(opts.bridge, opts.controller_socket)
+        if not runtime.connected.wait(CONTROLLER_WAIT):
+            LOG.error("bridge %s did not connect within %.0f s", opts.bridge, CONTROLLER_WAIT)
+        while not runtime.stopping.wait(1.0):
+            pass
+    except OffloadServiceError as exc:
+        LOG.error("%s", exc)
+        return 1
+    finally:
+        _shutdown(runtime, endpoint)
+    del services
+    return 0
+
+
+def _install_signal_handlers(runtime: object, policy_file: str) -> None:
+    def reload(_sig: int, _frame: FrameType | None) -> None:
+        threading.Thread(target=reload_policy, args=(runtime, policy_file), daemon=True).start()
+
+    def stop(_sig: int, _frame: FrameType | None) -> None:
+        runtime.stopping.set()  # type: ignore[attr-defined]
+
+    signal.signal(signal.SIGHUP, reload)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
+def reload_policy(runtime: object, policy_file: str) -> bool:
+    """Re-read the policy; an invalid file changes nothing and says why."""
+    try:
+        new_policy = policy.load_policy(policy_file)
+    except policy.PolicyError as exc:
+        LOG.error("policy reload rejected, running policy kept: %s", exc)
+        return False
+    with runtime.lock:  # type: ignore[attr-defined]
+        runtime.control.replace_policy(new_policy)  # type: ignore[attr-defined]
+    LOG.info("policy reloaded from %s", policy_file)
+    return True
+
+
+def _shutdown(runtime: object, endpoint: object | None) -> None:
+    LOG.info("stopping: flows go back to the bridge")
+    runtime.stopping.set()  # type: ignore[attr-defined]
+    app = runtime.app  # type: ignore[attr-defined]
+    control = runtime.control  # type: ignore[attr-defined]
+    with runtime.lock:  # type: ignore[attr-defined]
+        for port in list(control.dispatchers.fast_path_ports):
+            try:
+                control.port_removed(port)
+            except OffloadError as exc:
+                LOG.warning("detaching %s: %s", port, exc)
+    if app is not None:
+        app.remove_owned_rules()
+    if endpoint is not None and hasattr(endpoint, "close"):
+        endpoint.close()
+    # os-ken's threads are not daemons; the flows are already handed back.
+    logging.shutdown()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
