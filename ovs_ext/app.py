@@ -27,7 +27,7 @@ from os_ken.controller.handler import CONFIG_DISPATCHER, MAIN_DISPATCHER, set_ev
 from os_ken.lib import hub
 from os_ken.ofproto import ofproto_v1_3
 
-from ovs_ext import openflow
+from ovs_ext import flows, openflow
 from ovs_ext.control import OffloadControl
 from ovs_ext.providers.base import FlowCounters, OffloadError
 
@@ -44,6 +44,7 @@ class Runtime:
     bridge: str
     poll_interval: float
     status_file: str = ""
+    datapath_id: int | None = None  # the bridge's; other switches are refused
     lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
     stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
     connected: threading.Event = dataclasses.field(default_factory=threading.Event)
@@ -63,27 +64,37 @@ class OffloadApp(app_manager.OSKenApp):
         self.mac_ports: dict[str, str] = {}
         self._stats_parts: dict[int, FlowCounters] = {}
         self._stats_sent_at: float | None = None
+        self._barrier_done = threading.Event()
         self._poller = hub.spawn(self._poll_loop)
 
     # -- switch connection ---------------------------------------------------------
     @set_ev_cls(ofp_event.EventOFPSwitchFeatures, CONFIG_DISPATCHER)
     def _switch_features(self, ev: Any) -> None:
         dp = ev.msg.datapath
+        if self.rt.datapath_id is not None and dp.id != self.rt.datapath_id:
+            LOG.warning("refusing switch %016x: not bridge %s", dp.id, self.rt.bridge)
+            dp.close()
+            return
         LOG.info("bridge %s connected (datapath %016x)", self.rt.bridge, dp.id)
         self.datapath = dp
         # Rules of an earlier run are stale: their flows are forgotten.
         self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto))
+        self.send(openflow.table_miss_rule(dp.ofproto_parser, dp.ofproto))
         self.send(dp.ofproto_parser.OFPPortDescStatsRequest(dp, 0))
         self.rt.connected.set()
 
     @set_ev_cls(ofp_event.EventOFPPortDescStatsReply, MAIN_DISPATCHER)
     def _port_desc(self, ev: Any) -> None:
+        if ev.msg.datapath is not self.datapath:
+            return
         for port in ev.msg.body:
             self._port_up(port.port_no, _name(port.name))
 
     @set_ev_cls(ofp_event.EventOFPPortStatus, MAIN_DISPATCHER)
     def _port_status(self, ev: Any) -> None:
         msg = ev.msg
+        if msg.datapath is not self.datapath:
+            return
         ofproto = msg.datapath.ofproto
         name = _name(msg.desc.name)
         if msg.reason == ofproto.OFPPR_DELETE:
@@ -122,6 +133,8 @@ class OffloadApp(app_manager.OSKenApp):
     def _packet_in(self, ev: Any) -> None:
         msg = ev.msg
         dp = msg.datapath
+        if dp is not self.datapath:
+            return
         in_ofport = msg.match["in_port"]
         in_port = self.port_names.get(in_ofport)
         parsed = openflow.parse_packet(msg.data)
@@ -150,7 +163,7 @@ class OffloadApp(app_manager.OSKenApp):
             started = time.monotonic()
             try:
                 self._request_stats()
-            except Exception:  # noqa: BLE001 - the poller must outlive one bad round
+            except Exception:
                 LOG.exception("statistics poll failed")
             self.rt.stopping.wait(max(0.0, self.rt.poll_interval - (time.monotonic() - started)))
 
@@ -169,10 +182,11 @@ class OffloadApp(app_manager.OSKenApp):
     @set_ev_cls(ofp_event.EventOFPFlowStatsReply, MAIN_DISPATCHER)
     def _flow_stats(self, ev: Any) -> None:
         msg = ev.msg
-        from ovs_ext import flows as flows_mod
+        if msg.datapath is not self.datapath:
+            return
 
         for stat in msg.body:
-            flow_id = flows_mod.cookie_flow_id(stat.cookie)
+            flow_id = flows.cookie_flow_id(stat.cookie)
             if flow_id is not None:
                 self._stats_parts[flow_id] = FlowCounters(stat.packet_count, stat.byte_count)
         if msg.flags & msg.datapath.ofproto.OFPMPF_REPLY_MORE:
@@ -201,12 +215,20 @@ class OffloadApp(app_manager.OSKenApp):
     def ofport_of(self, name: str | None) -> int | None:
         return None if name is None else self.port_numbers.get(name)
 
-    def remove_owned_rules(self) -> None:
-        """At exit: give every flow back to the bridge's own NORMAL rule."""
+    def remove_judging_rules(self, timeout: float) -> bool:
+        """At exit: every flow back to the NORMAL table-miss rule; True once OVS confirmed."""
         dp = self.datapath
-        if dp is not None:
-            self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto))
-            self.send(dp.ofproto_parser.OFPBarrierRequest(dp))
+        if dp is None:
+            return False
+        self._barrier_done.clear()
+        for mod in openflow.delete_judging_rules(dp.ofproto_parser, dp.ofproto):
+            self.send(mod)
+        self.send(dp.ofproto_parser.OFPBarrierRequest(dp))
+        return self._barrier_done.wait(timeout)
+
+    @set_ev_cls(ofp_event.EventOFPBarrierReply, MAIN_DISPATCHER)
+    def _barrier_reply(self, ev: Any) -> None:
+        self._barrier_done.set()
 
 
 def _name(raw: bytes | str) -> str:

@@ -44,16 +44,24 @@ offload_opts = [
         help="Seconds between flow-statistics polls (OpenFlow rules and the "
         "provider). Bounds promotion latency and how stale shown counters are.",
     ),
-    cfg.StrOpt(
-        "controller_socket",
-        default="/run/flexmig/offload-of.sock",
-        help="UNIX socket the OpenFlow controller listens on; the bridge "
-        "connects to it (unix:<path>). Nothing listens on TCP.",
+    cfg.IPOpt(
+        "controller_address",
+        default="127.0.0.1",
+        help="Address the OpenFlow controller listens on; the bridge connects "
+        "to tcp:<address>:<port>. Keep it a loopback address: only the local "
+        "bridge should reach it (connections from any other datapath id are "
+        "refused). os-ken cannot serve a UNIX socket (it sets TCP_NODELAY).",
+    ),
+    cfg.PortOpt(
+        "controller_port",
+        default=6653,
+        help="TCP port of the OpenFlow controller (6653: OpenFlow's IANA port; "
+        "Neutron's native agent uses 6633).",
     ),
     cfg.BoolOpt(
         "configure_bridge",
         default=True,
-        help="At start, point the bridge's controller at controller_socket with "
+        help="At start, point the bridge's controller at this app with "
         "fail-mode standalone (the bridge keeps switching if the app dies) and "
         "allow OpenFlow 1.0 and 1.3 (the app speaks 1.3 only).",
     ),

@@ -114,7 +114,9 @@ class OffloadControl:
 
     # -- statistics --------------------------------------------------------------------
     def poll(
-        self, rule_stats: Mapping[int, FlowCounters], provider_stats: Mapping[FlowMatch, FlowCounters]
+        self,
+        rule_stats: Mapping[int, FlowCounters],
+        provider_stats: Mapping[FlowMatch, FlowCounters],
     ) -> PollReport:
         """One statistics interval: update counters, then promote and demote."""
         self.flows.observe_rule_stats(rule_stats)

@@ -44,6 +44,7 @@ COOKIE_PREFIX = 0xF1E0
 COOKIE_MASK = 0xFFFF << 48
 COOKIE_KIND_FLOW = 1
 COOKIE_KIND_DISCOVERY = 2
+COOKIE_KIND_TABLE_MISS = 3
 HISTORY_SAMPLES = 256
 
 
@@ -53,6 +54,10 @@ def flow_cookie(flow_id: int) -> int:
 
 def discovery_cookie(ofport: int) -> int:
     return (COOKIE_PREFIX << 48) | (COOKIE_KIND_DISCOVERY << 40) | ofport
+
+
+def table_miss_cookie() -> int:
+    return (COOKIE_PREFIX << 48) | (COOKIE_KIND_TABLE_MISS << 40)
 
 
 def cookie_flow_id(cookie: int) -> int | None:
@@ -79,10 +84,10 @@ class TrackedFlow:
     state: FlowState = FlowState.ONLOADED
     reason: str = ""  # why it is where it is: the rule, the refusal, the eviction
     rule_installed: bool = False
-    packet_in: FlowCounters = FlowCounters()
-    rule: FlowCounters = FlowCounters()
-    offload_live: FlowCounters = FlowCounters()
-    offload_done: FlowCounters = FlowCounters()
+    packet_in: FlowCounters = dataclasses.field(default_factory=FlowCounters)
+    rule: FlowCounters = dataclasses.field(default_factory=FlowCounters)
+    offload_live: FlowCounters = dataclasses.field(default_factory=FlowCounters)
+    offload_done: FlowCounters = dataclasses.field(default_factory=FlowCounters)
     quiet_polls: int = 0
     offloaded_at: float | None = None  # wall clock of the latest promotion
     moves: int = 0
@@ -228,7 +233,7 @@ class FlowManager:
 
         The rule's counters include its offloaded traffic, as OVS reports a
         hardware-offloaded flow; the table-200 entry shows the offloaded part
-        alone, so onloaded = rule − offloaded.
+        alone, so onloaded = rule - offloaded.
         """
         now = self.clock()
         records: list[FlowRecord] = []

@@ -11,8 +11,9 @@ tagged with cookies under :data:`~ovs_ext.flows.COOKIE_MASK`:
   which port each MAC sits behind without being on ARP's path;
 - per flow, priority 100: the 5-tuple on its in_port, NORMAL — the rule whose
   counters are the flow's onloaded traffic;
-- everything else falls through to the bridge's own priority-0 NORMAL rule,
-  which the app leaves alone (ICMP, other ethertypes, unwatched ports).
+- a priority-0 NORMAL rule for everything else (ICMP, other ethertypes,
+  unwatched ports): ovs-vswitchd removes its own default NORMAL rule once a
+  bridge has a controller, so the app puts it back, as Neutron's agent does.
 """
 
 from __future__ import annotations
@@ -63,11 +64,7 @@ def parse_packet(data: bytes) -> ParsedPacket | None:
         header_len = (ip[0] & 0x0F) * 4
         proto = ip[9]
         fragment = struct.unpack_from("!H", ip, 6)[0] & 0x1FFF
-        if (
-            proto in (IPPROTO_TCP, IPPROTO_UDP)
-            and fragment == 0
-            and len(ip) >= header_len + 4
-        ):
+        if proto in (IPPROTO_TCP, IPPROTO_UDP) and fragment == 0 and len(ip) >= header_len + 4:
             sport, dport = struct.unpack_from("!HH", ip, header_len)
             src_ip = ".".join(str(b) for b in ip[12:16])
             dst_ip = ".".join(str(b) for b in ip[16:20])
@@ -115,6 +112,18 @@ def discovery_rules(parser: ModuleType, ofproto: ModuleType, ofport: int) -> lis
     return mods
 
 
+def table_miss_rule(parser: ModuleType, ofproto: ModuleType) -> Any:
+    """Everything the app does not judge is switched by the bridge (NORMAL)."""
+    return _flow_mod(
+        parser,
+        ofproto,
+        flows.table_miss_cookie(),
+        0,
+        parser.OFPMatch(),
+        [parser.OFPActionOutput(ofproto.OFPP_NORMAL)],
+    )
+
+
 def flow_rule(parser: ModuleType, ofproto: ModuleType, cookie: int, in_port: int,
               match: FlowMatch) -> Any:  # fmt: skip
     """The per-flow rule: its 5-tuple on its in_port, forwarded NORMAL."""
@@ -134,6 +143,20 @@ def delete_owned(parser: ModuleType, ofproto: ModuleType, cookie: int = 0,
     """Delete every rule the app owns (all of them, or one by exact cookie)."""
     if cookie == 0:
         cookie = flows.COOKIE_PREFIX << 48
+    return delete_rules(parser, ofproto, cookie, cookie_mask)
+
+
+def delete_judging_rules(parser: ModuleType, ofproto: ModuleType) -> list[Any]:
+    """At exit: the discovery and per-flow rules, keeping the NORMAL table-miss rule."""
+    kind_mask = flows.COOKIE_MASK | (0xFF << 40)
+    prefix = flows.COOKIE_PREFIX << 48
+    return [
+        delete_rules(parser, ofproto, prefix | (kind << 40), kind_mask)
+        for kind in (flows.COOKIE_KIND_DISCOVERY, flows.COOKIE_KIND_FLOW)
+    ]
+
+
+def delete_rules(parser: ModuleType, ofproto: ModuleType, cookie: int, cookie_mask: int) -> Any:
     return parser.OFPFlowMod(
         datapath=None,
         cookie=cookie,

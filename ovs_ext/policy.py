@@ -117,7 +117,7 @@ class StatisticsRule:
 class Policy:
     capacity: int = 1024
     header_rules: tuple[HeaderRule, ...] = ()
-    statistics: StatisticsRule = StatisticsRule()
+    statistics: StatisticsRule = dataclasses.field(default_factory=StatisticsRule)
     source: str = "<defaults>"
 
 
@@ -278,7 +278,12 @@ def window_rate(samples: Sequence[tuple[float, int, int]], window_s: float) -> R
 _TOP_FIELDS = {"capacity", "header_rules", "statistics"}
 _RULE_FIELDS = {f.name for f in dataclasses.fields(HeaderRule)}
 _STAT_FIELDS = {f.name for f in dataclasses.fields(StatisticsRule)}
-_PROTOS = {"tcp": IPPROTO_TCP, "udp": IPPROTO_UDP, IPPROTO_TCP: IPPROTO_TCP, IPPROTO_UDP: IPPROTO_UDP}
+_PROTOS = {
+    "tcp": IPPROTO_TCP,
+    "udp": IPPROTO_UDP,
+    IPPROTO_TCP: IPPROTO_TCP,
+    IPPROTO_UDP: IPPROTO_UDP,
+}
 
 
 def load_policy(path: str | Path) -> Policy:
@@ -402,9 +407,7 @@ class _Checker:
         data = self.mapping(raw, "statistics", _STAT_FIELDS)
         rule = StatisticsRule(
             window_s=self.number(data.get("window_s", 1.0), "statistics.window_s", 0.05, 3600.0),
-            promote_pps=self.number(
-                data.get("promote_pps", 0), "statistics.promote_pps", 0, 1e10
-            ),
+            promote_pps=self.number(data.get("promote_pps", 0), "statistics.promote_pps", 0, 1e10),
             promote_bytes=self.integer(
                 data.get("promote_bytes", 0), "statistics.promote_bytes", 0, 2**62
             ),

@@ -2,7 +2,7 @@
 
 Loads the policy (an invalid one stops the start, naming the field, before
 anything touches the bridge), the configured provider through stevedore, then
-runs the os-ken app on ``controller_socket``, points the bridge at it and
+runs the os-ken app on a loopback address, points the bridge at it and
 serves the statistics endpoint.  SIGHUP re-reads the policy (an invalid file
 is rejected whole: the running policy and every flow stay as they are);
 SIGTERM gives every flow back to the bridge and detaches the fast path.
@@ -16,7 +16,6 @@ import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from types import FrameType
 
 from oslo_config import cfg
@@ -26,11 +25,12 @@ from flexmig import exceptions
 from ovs_ext import config, policy
 from ovs_ext.control import OffloadControl
 from ovs_ext.dispatcher import Dispatchers
-from ovs_ext.providers.base import OffloadError, OffloadProvider
+from ovs_ext.providers.base import OffloadProvider
 
 LOG = logging.getLogger("flexmig.ovs_ext.service")
 OVS_VSCTL_TIMEOUT = 10
 CONTROLLER_WAIT = 30.0
+SHUTDOWN_TIMEOUT = 3.0
 
 
 class OffloadServiceError(exceptions.FlexMigError):
@@ -43,7 +43,7 @@ def load_provider(conf: cfg.ConfigOpts, name: str) -> OffloadProvider:
         manager = driver.DriverManager(
             namespace=config.PROVIDER_NAMESPACE, name=name, invoke_on_load=False
         )
-    except Exception as exc:  # noqa: BLE001 - stevedore raises several types
+    except Exception as exc:
         raise OffloadServiceError(
             reason=f"offload provider {name!r} could not be loaded: {exc}"
         ) from exc
@@ -58,14 +58,27 @@ def load_provider(conf: cfg.ConfigOpts, name: str) -> OffloadProvider:
     return provider
 
 
-def configure_bridge(bridge: str, controller_socket: str) -> None:
-    """Controller on a UNIX socket, fail-mode standalone, OpenFlow 1.0 and 1.3."""
+def bridge_datapath_id(bridge: str) -> int:
+    """The bridge's datapath id: the only switch the app accepts."""
+    proc = subprocess.run(
+        ["ovs-vsctl", f"--timeout={OVS_VSCTL_TIMEOUT}", "get", "bridge", bridge, "datapath_id"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise OffloadServiceError(reason=f"bridge {bridge}: {proc.stderr.strip()}")
+    return int(proc.stdout.strip().strip('"'), 16)
+
+
+def configure_bridge(bridge: str, target: str) -> None:
+    """Controller at ``target``, fail-mode standalone, OpenFlow 1.0 and 1.3."""
     cmd = [
         "ovs-vsctl",
         f"--timeout={OVS_VSCTL_TIMEOUT}",
         "set-controller",
         bridge,
-        f"unix:{controller_socket}",
+        target,
         "--",
         "set-fail-mode",
         bridge,
@@ -83,17 +96,14 @@ def configure_bridge(bridge: str, controller_socket: str) -> None:
         )
 
 
-def _start_osken(runtime: object, controller_socket: str) -> list[object]:
+def _start_osken(runtime: object, address: str, port: int) -> list[object]:
     from os_ken import cfg as osken_cfg
     from os_ken.base import app_manager
 
     osken_cfg.CONF([], project="os_ken")
-    # A UNIX path as listen host makes os-ken listen there; setting a port
-    # also stops it from opening its legacy TCP 6633 listener.
-    osken_cfg.CONF.set_override("ofp_listen_host", controller_socket)
-    osken_cfg.CONF.set_override("ofp_tcp_listen_port", 6653)
-    Path(controller_socket).parent.mkdir(parents=True, exist_ok=True)
-    Path(controller_socket).unlink(missing_ok=True)
+    osken_cfg.CONF.set_override("ofp_listen_host", address)
+    # An explicit port also stops os-ken from opening its legacy 6633 listener.
+    osken_cfg.CONF.set_override("ofp_tcp_listen_port", port)
     manager = app_manager.AppManager.get_instance()
     manager.load_apps(["ovs_ext.app"])
     contexts = manager.create_contexts()
@@ -130,6 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     dispatchers = Dispatchers(provider, opts.provider, opts.vm_port_patterns, opts.uplinks)
     control = OffloadControl(active_policy, provider, opts.provider, dispatchers)
     runtime = Runtime(control, opts.bridge, opts.poll_interval, opts.status_file)
+    try:
+        runtime.datapath_id = bridge_datapath_id(opts.bridge)
+    except OffloadServiceError as exc:
+        print(exc, file=sys.stderr)
+        return 2
     LOG.info(
         "provider %s (capacity %d), policy %s, bridge %s",
         opts.provider,
@@ -137,23 +152,25 @@ def main(argv: list[str] | None = None) -> int:
         opts.policy_file,
         opts.bridge,
     )
-    services = _start_osken(runtime, opts.controller_socket)
+    _start_osken(runtime, opts.controller_address, opts.controller_port)
     endpoint = _start_stats_endpoint(conf, runtime)
     _install_signal_handlers(runtime, opts.policy_file)
+    rc = 0
     try:
         if opts.configure_bridge:
-            configure_bridge(opts.bridge, opts.controller_socket)
+            target = f"tcp:{opts.controller_address}:{opts.controller_port}"
+            configure_bridge(opts.bridge, target)
         if not runtime.connected.wait(CONTROLLER_WAIT):
             LOG.error("bridge %s did not connect within %.0f s", opts.bridge, CONTROLLER_WAIT)
         while not runtime.stopping.wait(1.0):
             pass
     except OffloadServiceError as exc:
         LOG.error("%s", exc)
-        return 1
-    finally:
-        _shutdown(runtime, endpoint)
-    del services
-    return 0
+        rc = 1
+    _shutdown(runtime, endpoint, opts.bridge if opts.configure_bridge else None)
+    logging.shutdown()
+    # os-ken's hub threads are not daemons and have no stop: leave without them.
+    os._exit(rc)
 
 
 def _install_signal_handlers(runtime: object, policy_file: str) -> None:
@@ -181,24 +198,26 @@ def reload_policy(runtime: object, policy_file: str) -> bool:
     return True
 
 
-def _shutdown(runtime: object, endpoint: object | None) -> None:
+def _shutdown(runtime: object, endpoint: object | None, bridge: str | None) -> None:
+    """Every offloaded flow back to the bridge, the fast path detached, the bridge
+    back to its own NORMAL switching."""
     LOG.info("stopping: flows go back to the bridge")
     runtime.stopping.set()  # type: ignore[attr-defined]
-    app = runtime.app  # type: ignore[attr-defined]
     control = runtime.control  # type: ignore[attr-defined]
     with runtime.lock:  # type: ignore[attr-defined]
-        for port in list(control.dispatchers.fast_path_ports):
-            try:
-                control.port_removed(port)
-            except OffloadError as exc:
-                LOG.warning("detaching %s: %s", port, exc)
-    if app is not None:
-        app.remove_owned_rules()
+        for port in sorted(control.dispatchers.fast_path_ports):
+            control.port_removed(port)
+    app = runtime.app  # type: ignore[attr-defined]
+    if app is not None and not app.remove_judging_rules(SHUTDOWN_TIMEOUT):
+        LOG.warning("bridge did not confirm the removal of the app's rules")
     if endpoint is not None and hasattr(endpoint, "close"):
         endpoint.close()
-    # os-ken's threads are not daemons; the flows are already handed back.
-    logging.shutdown()
-    os._exit(0)
+    if bridge is not None:
+        subprocess.run(
+            ["ovs-vsctl", f"--timeout={OVS_VSCTL_TIMEOUT}", "del-controller", bridge],
+            capture_output=True,
+            check=False,
+        )
 
 
 if __name__ == "__main__":

@@ -144,7 +144,11 @@ def test_header_rule_offloads_at_setup_and_onload_rule_pins():
 
 
 def test_ingress_flow_is_owned_by_the_receiving_vm():
-    rules = (policy.HeaderRule("to-tap1", policy.Action.OFFLOAD, port="tap1", direction=policy.Direction.INGRESS),)
+    rules = (
+        policy.HeaderRule(
+            "to-tap1", policy.Action.OFFLOAD, port="tap1", direction=policy.Direction.INGRESS
+        ),
+    )
     sim = Sim(policy.Policy(header_rules=rules))
     m = flow(1, port="phy0")
     tracked = sim.start(m, "tap1")
