@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import socket
 import struct
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from ovs_ext.providers.base import FlowCounters, FlowMatch
 
@@ -41,19 +41,31 @@ def pack_key(match: FlowMatch, in_ifindex: int) -> bytes:
 
 
 def unpack_key(raw: bytes, ifname_of: dict[int, str]) -> FlowMatch | None:
-    """The match of a key, or None when its ingress port is no longer known."""
+    """The match of a key, or None when its ingress port is no longer known.
+
+    Keys come back from the kernel exactly as :func:`pack_key` wrote them, so
+    the match is built without FlowMatch's validation, which would cost more
+    than the whole batch read for 100k flows.
+
+    >>> unpack_key(bytes.fromhex("070000000a0000010a00000203e8003511000000"), {7: "veth0"})
+    FlowMatch(in_port='veth0', ip_proto=17, ipv4_src='10.0.0.1', ipv4_dst='10.0.0.2', \
+tp_src=1000, tp_dst=53)
+    """
     in_ifindex, src, dst, sport, dport, proto = KEY.unpack(raw)
     in_port = ifname_of.get(in_ifindex)
     if in_port is None:
         return None
-    return FlowMatch(
-        in_port=in_port,
-        ip_proto=proto,
-        ipv4_src=socket.inet_ntoa(src),
-        ipv4_dst=socket.inet_ntoa(dst),
-        tp_src=int.from_bytes(sport, "big"),
-        tp_dst=int.from_bytes(dport, "big"),
-    )
+    match = object.__new__(FlowMatch)
+    for field, value in (
+        ("in_port", in_port),
+        ("ip_proto", proto),
+        ("ipv4_src", socket.inet_ntoa(src)),
+        ("ipv4_dst", socket.inet_ntoa(dst)),
+        ("tp_src", int.from_bytes(sport, "big")),
+        ("tp_dst", int.from_bytes(dport, "big")),
+    ):
+        object.__setattr__(match, field, value)  # frozen dataclass: the only way in
+    return match
 
 
 def percpu_value_size(cpus: int) -> int:
@@ -77,13 +89,22 @@ def sum_counters(value: bytes, cpus: int) -> FlowCounters:
     >>> sum_counters(v, 2)
     FlowCounters(packets=15, bytes=1500)
     """
-    packets = total_bytes = 0
-    stride = percpu_value_size(1)
-    for cpu in range(cpus):
-        _, _, cpu_packets, cpu_bytes = ACTION.unpack_from(value, cpu * stride)
-        packets += cpu_packets
-        total_bytes += cpu_bytes
-    return FlowCounters(packets, total_bytes)
+    return next(iter(sum_all_counters(value, 1, cpus)))
+
+
+def sum_all_counters(values: bytes, count: int, cpus: int) -> Iterator[FlowCounters]:
+    """Fold a batch of ``count`` per-CPU values, in order (one pass, no copies).
+
+    >>> v = ACTION.pack(3, 0, 1, 60) * 2 + ACTION.pack(4, 0, 2, 120) * 2
+    >>> list(sum_all_counters(v, 2, 2))
+    [FlowCounters(packets=2, bytes=120), FlowCounters(packets=4, bytes=240)]
+    """
+    words = memoryview(values).cast("Q")  # ACTION is three 8-byte words
+    stride = 3 * cpus
+    for base in range(0, count * stride, stride):
+        yield FlowCounters(
+            sum(words[base + 1 : base + stride : 3]), sum(words[base + 2 : base + stride : 3])
+        )
 
 
 def split_records(blob: bytes, size: int, count: int) -> list[bytes]:

@@ -347,17 +347,17 @@ class XdpProvider(base.OffloadProvider):
             raise OffloadError(
                 provider=self.NAME, action="read statistics", reason=str(exc)
             ) from exc
-        key_size, value_size = flowtable.KEY.size, flowtable.percpu_value_size(self._cpus)
+        key_size = flowtable.KEY.size
         names = {v: k for k, v in self._ports.items()}
         result: dict[FlowMatch, FlowCounters] = {}
-        for i in range(count):
+        all_counters = flowtable.sum_all_counters(values_blob, count, self._cpus)
+        for i, counters in enumerate(all_counters):
             key = keys_blob[i * key_size : (i + 1) * key_size]
             match = self._matches.get(key) or flowtable.unpack_key(key, names)
             if match is None:
                 continue  # its ingress port was detached under us
             self._matches[key] = match
-            value = values_blob[i * value_size : (i + 1) * value_size]
-            result[match] = flowtable.sum_counters(value, self._cpus)
+            result[match] = counters
         return result
 
 
