@@ -231,10 +231,13 @@ class XdpProvider(base.OffloadProvider):
         failed: dict[FlowMatch, str] = {}
         installed: list[FlowMatch] = []
         batch: list[tuple[FlowMatch, bytes, int]] = []
-        in_batch: set[bytes] = set()
         room = self.opts.capacity - len(self._table)
+        seen: set[FlowMatch] = set()
         for entry in entries:
-            verdict = self._plan_entry(entry, in_batch)
+            if entry.match in seen:
+                continue  # a match is answered once: the batch's first entry for it wins
+            seen.add(entry.match)
+            verdict = self._plan_entry(entry)
             if isinstance(verdict, str):
                 failed[entry.match] = verdict
             elif verdict is None:
@@ -243,13 +246,10 @@ class XdpProvider(base.OffloadProvider):
                 failed[entry.match] = f"offload table full (capacity {self.opts.capacity})"
             else:
                 batch.append((entry.match, *verdict))
-                in_batch.add(verdict[0])
         installed += self._write_batch(fds[FLOWS_PIN], batch, failed)
         return InstallResult(installed=tuple(installed), failed=failed)
 
-    def _plan_entry(
-        self, entry: OffloadEntry, in_batch: set[bytes]
-    ) -> str | tuple[bytes, int] | None:
+    def _plan_entry(self, entry: OffloadEntry) -> str | tuple[bytes, int] | None:
         """(key, out ifindex) to write, None if already there, or why not."""
         in_ifindex = self._ports.get(entry.match.in_port)
         out_ifindex = self._ports.get(entry.out_port)
@@ -264,8 +264,6 @@ class XdpProvider(base.OffloadProvider):
         assert in_ifindex is not None and out_ifindex is not None
         key = flowtable.pack_key(entry.match, in_ifindex)
         current = self._table.get(key)
-        if key in in_batch:
-            return "the same match appears twice in this batch"
         if current is None:
             return key, out_ifindex
         if current == out_ifindex:
