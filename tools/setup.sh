@@ -70,6 +70,9 @@ install_debian_packages
 install_python
 log "building the data mover"
 make -s -C agents/mover
+log "building the XDP eSwitch and the lab's packet generator"
+make -s -C ovs_ext/providers/xdp
+make -s -C flexmig/lab/traffic
 log "building the guest image"
 .venv/bin/flexmig lab image build >/dev/null
 log "ready"

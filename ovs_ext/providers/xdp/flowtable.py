@@ -1,0 +1,116 @@
+"""The eSwitch's flow table as bytes: packing keys and actions, no I/O.
+
+The layout is ``bpf/eswitch.h``'s.  Addresses and ports are kept in network
+byte order (as the program reads them off the wire); ifindexes are host
+order.  Per-CPU values come back as one record per possible CPU, each padded
+to 8 bytes; :func:`sum_counters` folds them.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Iterator, Sequence
+
+from ovs_ext.providers.base import FlowCounters, FlowMatch
+
+# in_ifindex, saddr, daddr, sport, dport, proto, pad[3]
+KEY = struct.Struct("=I4s4s2s2sB3x")
+# out_ifindex, pad, packets, bytes
+ACTION = struct.Struct("=IIQQ")
+PORT = struct.Struct("=I")
+# Sizes pinned by tests/unit against eswitch.h: key 20 bytes, action 24.
+
+
+def pack_key(match: FlowMatch, in_ifindex: int) -> bytes:
+    """The map key of a match whose in_port has ``in_ifindex``.
+
+    >>> from ovs_ext.providers.base import FlowMatch
+    >>> m = FlowMatch("veth0", 17, "10.0.0.1", "10.0.0.2", 1000, 53)
+    >>> pack_key(m, 7).hex()
+    '070000000a0000010a00000203e8003511000000'
+    """
+    return KEY.pack(
+        in_ifindex,
+        socket.inet_aton(match.ipv4_src),
+        socket.inet_aton(match.ipv4_dst),
+        match.tp_src.to_bytes(2, "big"),
+        match.tp_dst.to_bytes(2, "big"),
+        match.ip_proto,
+    )
+
+
+def unpack_key(raw: bytes, ifname_of: dict[int, str]) -> FlowMatch | None:
+    """The match of a key, or None when its ingress port is no longer known.
+
+    Keys come back from the kernel exactly as :func:`pack_key` wrote them, so
+    the match is built without FlowMatch's validation, which would cost more
+    than the whole batch read for 100k flows.
+
+    >>> unpack_key(bytes.fromhex("070000000a0000010a00000203e8003511000000"), {7: "veth0"})
+    FlowMatch(in_port='veth0', ip_proto=17, ipv4_src='10.0.0.1', ipv4_dst='10.0.0.2', \
+tp_src=1000, tp_dst=53)
+    """
+    in_ifindex, src, dst, sport, dport, proto = KEY.unpack(raw)
+    in_port = ifname_of.get(in_ifindex)
+    if in_port is None:
+        return None
+    match = object.__new__(FlowMatch)
+    for field, value in (
+        ("in_port", in_port),
+        ("ip_proto", proto),
+        ("ipv4_src", socket.inet_ntoa(src)),
+        ("ipv4_dst", socket.inet_ntoa(dst)),
+        ("tp_src", int.from_bytes(sport, "big")),
+        ("tp_dst", int.from_bytes(dport, "big")),
+    ):
+        object.__setattr__(match, field, value)  # frozen dataclass: the only way in
+    return match
+
+
+def percpu_value_size(cpus: int) -> int:
+    """Bytes of one per-CPU value as userspace reads and writes it."""
+    return ((ACTION.size + 7) // 8) * 8 * cpus
+
+
+def pack_new_action(out_ifindex: int, cpus: int) -> bytes:
+    """A fresh entry: same egress on every CPU, counters at zero."""
+    return ACTION.pack(out_ifindex, 0, 0, 0) * cpus
+
+
+def out_ifindex(value: bytes) -> int:
+    return ACTION.unpack_from(value, 0)[0]
+
+
+def sum_counters(value: bytes, cpus: int) -> FlowCounters:
+    """Fold a per-CPU value into one flow's totals.
+
+    >>> v = ACTION.pack(3, 0, 10, 1000) + ACTION.pack(3, 0, 5, 500)
+    >>> sum_counters(v, 2)
+    FlowCounters(packets=15, bytes=1500)
+    """
+    return next(iter(sum_all_counters(value, 1, cpus)))
+
+
+def sum_all_counters(values: bytes, count: int, cpus: int) -> Iterator[FlowCounters]:
+    """Fold a batch of ``count`` per-CPU values, in order (one pass, no copies).
+
+    >>> v = ACTION.pack(3, 0, 1, 60) * 2 + ACTION.pack(4, 0, 2, 120) * 2
+    >>> list(sum_all_counters(v, 2, 2))
+    [FlowCounters(packets=2, bytes=120), FlowCounters(packets=4, bytes=240)]
+    """
+    words = memoryview(values).cast("Q")  # ACTION is three 8-byte words
+    stride = 3 * cpus
+    for base in range(0, count * stride, stride):
+        yield FlowCounters(
+            sum(words[base + 1 : base + stride : 3]), sum(words[base + 2 : base + stride : 3])
+        )
+
+
+def split_records(blob: bytes, size: int, count: int) -> list[bytes]:
+    """The ``count`` fixed-size records of a batch buffer."""
+    return [blob[i * size : (i + 1) * size] for i in range(count)]
+
+
+def join_records(records: Sequence[bytes]) -> bytes:
+    return b"".join(records)
