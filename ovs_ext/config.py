@@ -67,10 +67,11 @@ offload_opts = [
     ),
     cfg.StrOpt(
         "stats_endpoint",
-        default="/run/openvswitch/br-int-offload.mgmt",
+        default="/var/run/openvswitch/br-int-offload.mgmt",
         help="UNIX socket of the OpenFlow statistics endpoint. In OVS's rundir "
         "with a .mgmt suffix, 'ovs-ofctl dump-flows br-int-offload' finds it "
-        "by name. Empty: no endpoint.",
+        "by name. Empty: no endpoint. Its other settings (socket mode, "
+        "connections, idle timeout) are in [openflow_stats].",
     ),
     cfg.StrOpt(
         "status_file",

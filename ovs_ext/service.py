@@ -23,8 +23,12 @@ from stevedore import driver
 
 from flexmig import exceptions
 from ovs_ext import config, policy
+from ovs_ext.app import Runtime
 from ovs_ext.control import OffloadControl
 from ovs_ext.dispatcher import Dispatchers
+from ovs_ext.openflow_stats import config as stats_config
+from ovs_ext.openflow_stats.server import OpenFlowStatsServer
+from ovs_ext.openflow_stats.session import EndpointInfo
 from ovs_ext.providers.base import OffloadProvider
 
 LOG = logging.getLogger("flexmig.ovs_ext.service")
@@ -96,7 +100,7 @@ def configure_bridge(bridge: str, target: str) -> None:
         )
 
 
-def _start_osken(runtime: object, address: str, port: int) -> list[object]:
+def _start_osken(runtime: Runtime, address: str, port: int) -> list[object]:
     from os_ken import cfg as osken_cfg
     from os_ken.base import app_manager
 
@@ -110,33 +114,60 @@ def _start_osken(runtime: object, address: str, port: int) -> list[object]:
     return manager.instantiate_apps(offload_runtime=runtime, **contexts)
 
 
-def _start_stats_endpoint(conf: cfg.ConfigOpts, runtime: object) -> object | None:
-    """The OpenFlow statistics endpoint ovs-ofctl reads (ovs_ext.openflow_stats)."""
+def _start_stats_endpoint(conf: cfg.ConfigOpts, runtime: Runtime) -> OpenFlowStatsServer | None:
+    """The OpenFlow statistics endpoint ovs-ofctl reads, fed by the Flow Manager."""
     path = conf.offload.stats_endpoint
     if not path:
         return None
-    try:
-        from ovs_ext.openflow_stats import server as stats_server
-    except ImportError:
-        LOG.warning("statistics endpoint not available in this build (ovs_ext.openflow_stats)")
-        return None
-    return stats_server.start_endpoint(path, runtime)  # type: ignore[attr-defined]
+    opts = conf.openflow_stats
+
+    def records() -> list[object]:
+        app = runtime.app
+        if app is None:
+            return []
+        with runtime.lock:
+            return runtime.control.flows.records(app.ofport_of)
+
+    def port_names() -> dict[int, str]:
+        return dict(runtime.app.port_names) if runtime.app is not None else {}
+
+    server = OpenFlowStatsServer(
+        records,
+        unix_socket=path,
+        unix_socket_mode=int(opts.unix_socket_mode, 8),
+        max_connections=opts.max_connections,
+        idle_timeout=opts.idle_timeout,
+        port_names=port_names,
+        info=EndpointInfo(datapath_id=runtime.datapath_id or 0),
+    )
+    server.start()
+    return server
+
+
+def clear_stale_entries(provider: OffloadProvider, name: str) -> int:
+    """Entries a previous run left in the provider (its tables may be pinned):
+    their flows are forgotten, so they must not keep bypassing the bridge."""
+    stale = provider.stats()
+    if stale:
+        provider.remove(list(stale))
+        LOG.info("removed %d stale entries from provider %s", len(stale), name)
+    return len(stale)
 
 
 def main(argv: list[str] | None = None) -> int:
     conf = cfg.ConfigOpts()
     config.register_opts(conf)
+    stats_config.register_opts(conf)
     try:
         conf(sys.argv[1:] if argv is None else argv, project="flexmig", prog="flexmig-offload")
         opts = conf.offload
         active_policy = policy.load_policy(opts.policy_file)
         provider = load_provider(conf, opts.provider)
+        clear_stale_entries(provider, opts.provider)
     except (cfg.Error, exceptions.FlexMigError, OSError) as exc:
         print(f"flexmig-offload: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    from ovs_ext.app import Runtime
-
     dispatchers = Dispatchers(provider, opts.provider, opts.vm_port_patterns, opts.uplinks)
     control = OffloadControl(active_policy, provider, opts.provider, dispatchers)
     runtime = Runtime(control, opts.bridge, opts.poll_interval, opts.status_file)
@@ -153,7 +184,11 @@ def main(argv: list[str] | None = None) -> int:
         opts.bridge,
     )
     _start_osken(runtime, opts.controller_address, opts.controller_port)
-    endpoint = _start_stats_endpoint(conf, runtime)
+    try:
+        endpoint = _start_stats_endpoint(conf, runtime)
+    except exceptions.FlexMigError as exc:
+        LOG.error("%s", exc)
+        return 2
     _install_signal_handlers(runtime, opts.policy_file)
     rc = 0
     try:
@@ -173,45 +208,45 @@ def main(argv: list[str] | None = None) -> int:
     os._exit(rc)
 
 
-def _install_signal_handlers(runtime: object, policy_file: str) -> None:
+def _install_signal_handlers(runtime: Runtime, policy_file: str) -> None:
     def reload(_sig: int, _frame: FrameType | None) -> None:
         threading.Thread(target=reload_policy, args=(runtime, policy_file), daemon=True).start()
 
     def stop(_sig: int, _frame: FrameType | None) -> None:
-        runtime.stopping.set()  # type: ignore[attr-defined]
+        runtime.stopping.set()
 
     signal.signal(signal.SIGHUP, reload)
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
 
 
-def reload_policy(runtime: object, policy_file: str) -> bool:
+def reload_policy(runtime: Runtime, policy_file: str) -> bool:
     """Re-read the policy; an invalid file changes nothing and says why."""
     try:
         new_policy = policy.load_policy(policy_file)
     except policy.PolicyError as exc:
         LOG.error("policy reload rejected, running policy kept: %s", exc)
         return False
-    with runtime.lock:  # type: ignore[attr-defined]
-        runtime.control.replace_policy(new_policy)  # type: ignore[attr-defined]
+    with runtime.lock:
+        runtime.control.replace_policy(new_policy)
     LOG.info("policy reloaded from %s", policy_file)
     return True
 
 
-def _shutdown(runtime: object, endpoint: object | None, bridge: str | None) -> None:
+def _shutdown(runtime: Runtime, endpoint: OpenFlowStatsServer | None, bridge: str | None) -> None:
     """Every offloaded flow back to the bridge, the fast path detached, the bridge
     back to its own NORMAL switching."""
     LOG.info("stopping: flows go back to the bridge")
-    runtime.stopping.set()  # type: ignore[attr-defined]
-    control = runtime.control  # type: ignore[attr-defined]
-    with runtime.lock:  # type: ignore[attr-defined]
+    runtime.stopping.set()
+    control = runtime.control
+    with runtime.lock:
         for port in sorted(control.dispatchers.fast_path_ports):
             control.port_removed(port)
-    app = runtime.app  # type: ignore[attr-defined]
+    app = runtime.app
     if app is not None and not app.remove_judging_rules(SHUTDOWN_TIMEOUT):
         LOG.warning("bridge did not confirm the removal of the app's rules")
-    if endpoint is not None and hasattr(endpoint, "close"):
-        endpoint.close()
+    if endpoint is not None:
+        endpoint.stop()
     if bridge is not None:
         subprocess.run(
             ["ovs-vsctl", f"--timeout={OVS_VSCTL_TIMEOUT}", "del-controller", bridge],

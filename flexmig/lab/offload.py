@@ -52,8 +52,9 @@ def provider_installed(name: str) -> bool:
     return any(ep.name == name for ep in metadata.entry_points(group=PROVIDER_NAMESPACE))
 
 
-def offload_conf(provider: str, policy_file: str, poll_interval: float) -> str:
-    return "\n".join(
+def offload_conf(provider: str, policy_file: str, poll_interval: float, extra: str = "") -> str:
+    """The service's config file; ``extra`` appends sections (e.g. [offload_xdp])."""
+    return extra + "\n".join(
         [
             "[offload]",
             f"provider = {provider}",
@@ -90,13 +91,16 @@ class LabOffload:
         provider: str | None = None,
         poll_interval: float = 0.1,
         wait: bool = True,
+        extra_conf: str = "",
     ) -> None:
         """(Re)start the service with this policy and provider."""
         self.stop()
         provider = provider or lab_provider()
         if policy_text is not None or not self.policy_file.exists():
             self.policy_file.write_text(DEFAULT_POLICY if policy_text is None else policy_text)
-        self.conf_file.write_text(offload_conf(provider, str(self.policy_file), poll_interval))
+        self.conf_file.write_text(
+            offload_conf(provider, str(self.policy_file), poll_interval, extra_conf)
+        )
         self.host.ns.root_path(STATUS_FILE).unlink(missing_ok=True)
         script = (
             f"echo $$ > {PID_FILE}; exec {sys.executable} -m ovs_ext.service "
