@@ -91,16 +91,23 @@ class OffloadControl:
             if existing.out_port is None and out_port is not None:
                 existing.out_port = out_port
             return existing, False
-        owner = self.dispatchers.owner(match, out_port)
-        if owner is None:
+        owners = self.dispatchers.owners(match, out_port)
+        if not owners:
             setup = policy_mod.SetupDecision(None)
             flow = self.flows.add(
                 match, owner="", direction=policy_mod.Direction.ANY, out_port=out_port, setup=setup
             )
             flow.reason = "no VM port: stays in the vSwitch"
             return flow, True
-        port, direction = owner
-        setup = policy_mod.decide_at_setup(self.policy, match, port, direction)
+        # Each dispatcher judges by its own VM's rules; the first with a verdict
+        # owns the flow, else the sender's (or the only) one.
+        port, direction = owners[0]
+        setup = policy_mod.SetupDecision(None)
+        for candidate, candidate_direction in owners:
+            verdict = policy_mod.decide_at_setup(self.policy, match, candidate, candidate_direction)
+            if verdict.action is not None:
+                port, direction, setup = candidate, candidate_direction, verdict
+                break
         flow = self.flows.add(
             match, owner=port, direction=direction, out_port=out_port, setup=setup
         )

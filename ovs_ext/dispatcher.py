@@ -136,15 +136,15 @@ class Dispatchers:
             except OffloadError as exc:
                 LOG.warning("detaching %s: %s", name, exc)
 
-    def owner(self, match: FlowMatch, out_port: str | None) -> tuple[str, Direction] | None:
-        """The VM port that owns a flow: its sender if a VM sent it, else its receiver."""
-        sender = self.by_port.get(match.in_port)
-        if sender is not None:
-            return sender.port, Direction.EGRESS
-        receiver = self.by_port.get(out_port or "")
-        if receiver is not None:
-            return receiver.port, Direction.INGRESS
-        return None
+    def owners(self, match: FlowMatch, out_port: str | None) -> list[tuple[str, Direction]]:
+        """The dispatchers that see a flow: its sending VM's (egress), then its
+        receiving VM's (ingress).  Between two VMs of one host, both."""
+        seen = []
+        if match.in_port in self.by_port:
+            seen.append((match.in_port, Direction.EGRESS))
+        if out_port in self.by_port and out_port != match.in_port:
+            seen.append((out_port, Direction.INGRESS))
+        return seen
 
     def can_offload(self, match: FlowMatch, out_port: str | None) -> str:
         """Empty when the fast path can carry the flow, else why not."""

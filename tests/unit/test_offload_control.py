@@ -155,9 +155,15 @@ def test_ingress_flow_is_owned_by_the_receiving_vm():
     assert (tracked.owner, tracked.direction) == ("tap1", policy.Direction.INGRESS)
     assert tracked.state is FlowState.OFFLOADED
     assert m in sim.dispatchers.by_port["tap1"].filter_table
-    # From a VM port to another VM port: the sender's dispatcher owns it.
+    # Between two VM ports both dispatchers judge it: the receiver's rule matches.
     m2 = flow(2, port="tap0")
-    assert sim.start(m2, "tap1").owner == "tap0"
+    tracked = sim.start(m2, "tap1")
+    assert (tracked.owner, tracked.direction) == ("tap1", policy.Direction.INGRESS)
+    assert tracked.state is FlowState.OFFLOADED
+    # No rule for either: the sender's dispatcher owns it.
+    m3 = flow(3, port="tap0")
+    tracked = sim.start(m3, "ep-a")
+    assert (tracked.owner, tracked.direction) == ("tap0", policy.Direction.EGRESS)
 
 
 def test_full_table_evicts_the_slowest_and_counts_survive():
