@@ -38,7 +38,11 @@ def leftovers(lab: Lab) -> list[str]:
     procs = subprocess.run(
         ["pgrep", "-a", "-f", LAB_PROCESSES], capture_output=True, text=True, check=False
     ).stdout.strip()
-    found += [f"process {line}" for line in procs.splitlines() if "pgrep" not in line]
+    found += [
+        f"process {line}"
+        for line in procs.splitlines()
+        if "pgrep" not in line and _belongs_to(lab, int(line.split()[0]), line)
+    ]
     links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
     found += [
         f"link {line.split(':')[1].strip()}"
@@ -48,6 +52,34 @@ def leftovers(lab: Lab) -> list[str]:
     if lab.dir.exists():
         found.append(f"directory {lab.dir}")
     return found
+
+
+def _netns_inode(path: str) -> int | None:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+def _belongs_to(lab: Lab, pid: int, cmdline: str) -> bool:
+    """Whether a daemon is this lab's, with other labs (FLEXMIG_LAB_NAME) running beside it.
+
+    Another lab's daemons sit in namespaces still listed in /run/netns; a
+    leaked daemon of this lab sits in a namespace whose name is gone, or (the
+    recorder) in the machine's own namespace with this lab's directory in its
+    command line.
+    """
+    inode = _netns_inode(f"/proc/{pid}/ns/net")
+    if inode is None:
+        return False
+    if inode == _netns_inode("/proc/1/ns/net"):
+        return f"{lab.dir}/" in cmdline
+    others = {
+        _netns_inode(f"/run/netns/{n}")
+        for n in (os.listdir("/run/netns") if os.path.isdir("/run/netns") else [])
+        if not n.startswith(topology.NETNS_PREFIX)
+    }
+    return inode not in others
 
 
 @pytest.fixture(scope="module")
