@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import os
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -145,7 +146,7 @@ class OffloadApp(app_manager.OSKenApp):
             return  # learnt; the rule's NORMAL action already forwarded it
         match = openflow.flow_match(in_port, parsed)
         if match is not None:
-            out_port = self.mac_ports.get(parsed.eth_dst)
+            out_port = self.mac_ports.get(parsed.eth_dst) or self._fdb_port(parsed.eth_dst)
             with self.rt.lock:
                 flow, new = self.rt.control.flow_seen(match, out_port)
                 self.rt.control.flows.count_packet_in(match, msg.total_len)
@@ -156,6 +157,26 @@ class OffloadApp(app_manager.OSKenApp):
                 self.send(rule)
         # The discovery rule only sent it here: forward it as the bridge would.
         self.send(openflow.packet_out_normal(dp.ofproto_parser, dp.ofproto, in_ofport, msg.data))
+
+    def _fdb_port(self, mac: str) -> str | None:
+        """Where the bridge's own MAC learning put ``mac`` (hosts whose ARP
+        entries predate the app never ARP through it)."""
+        try:
+            proc = subprocess.run(
+                ["ovs-appctl", "--timeout=2", "fdb/show", self.rt.bridge],
+                capture_output=True,
+                text=True,
+                timeout=3,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            LOG.warning("fdb/show %s: %s", self.rt.bridge, exc)
+            return None
+        for ofport, learned_mac in openflow.parse_fdb(proc.stdout):
+            name = self.port_names.get(ofport)
+            if name is not None:
+                self.mac_ports.setdefault(learned_mac, name)
+        return self.mac_ports.get(mac)
 
     # -- statistics ------------------------------------------------------------------
     def _poll_loop(self) -> None:

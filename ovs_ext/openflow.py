@@ -72,6 +72,20 @@ def parse_packet(data: bytes) -> ParsedPacket | None:
     return ParsedPacket(mac_text(src), mac_text(dst), eth_type, five)
 
 
+def parse_fdb(text: str) -> list[tuple[int, str]]:
+    """(OpenFlow port, MAC) rows of ``ovs-appctl fdb/show``.
+
+    >>> parse_fdb(" port  VLAN  MAC                Age\\n    2     0  02:00:00:00:00:01    3\\n")
+    [(2, '02:00:00:00:00:01')]
+    """
+    rows = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 3 and fields[0].isdigit() and fields[2].count(":") == 5:
+            rows.append((int(fields[0]), fields[2].lower()))
+    return rows
+
+
 def flow_match(in_port: str, parsed: ParsedPacket) -> FlowMatch | None:
     if parsed.five_tuple is None:
         return None
