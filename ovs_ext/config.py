@@ -97,5 +97,12 @@ def register_opts(conf: cfg.ConfigOpts) -> None:
     conf.register_opts(offload_opts, group=GROUP)
 
 
+def validate(conf: cfg.ConfigOpts) -> None:
+    """Read every option once: oslo.config checks types and bounds on access, and a
+    bad value must stop the start before anything is touched."""
+    for opt in offload_opts:
+        getattr(conf[GROUP], opt.dest)
+
+
 def list_opts() -> list[tuple[str, list[cfg.Opt]]]:
     return [(GROUP, offload_opts)]

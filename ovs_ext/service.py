@@ -160,6 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     stats_config.register_opts(conf)
     try:
         conf(sys.argv[1:] if argv is None else argv, project="flexmig", prog="flexmig-offload")
+        config.validate(conf)
         opts = conf.offload
         active_policy = policy.load_policy(opts.policy_file)
         provider = load_provider(conf, opts.provider)
