@@ -10,6 +10,8 @@ Output is JSON; errors go to stderr with exit status 1.
     ctl install IN_PORT PROTO SRC DST SPORT DPORT OUT_PORT
     ctl remove IN_PORT PROTO SRC DST SPORT DPORT
     ctl stats
+    ctl install-batch < [{"match": {...FlowMatch fields}, "out_port": IF}, ...]
+    ctl remove-batch < [{...FlowMatch fields}, ...]
 """
 
 from __future__ import annotations
@@ -46,6 +48,14 @@ def _flows(counters: dict[FlowMatch, FlowCounters]) -> list[dict[str, object]]:
     ]
 
 
+def _install_result(provider: XdpProvider, batch: list[OffloadEntry]) -> dict[str, object]:
+    result = provider.install(batch)
+    return {
+        "installed": [dataclasses.asdict(m) for m in result.installed],
+        "failed": [{"match": dataclasses.asdict(m), "reason": r} for m, r in result.failed.items()],
+    }
+
+
 def _run(provider: XdpProvider, args: argparse.Namespace) -> object:
     if args.command == "describe":
         return dataclasses.asdict(provider.describe())
@@ -54,15 +64,14 @@ def _run(provider: XdpProvider, args: argparse.Namespace) -> object:
             (provider.attach_port if args.command == "attach" else provider.detach_port)(ifname)
         return {"ports": provider.attached_ports()}
     if args.command == "install":
-        result = provider.install([OffloadEntry(_match(args), args.out_port)])
-        return {
-            "installed": [dataclasses.asdict(m) for m in result.installed],
-            "failed": [
-                {"match": dataclasses.asdict(m), "reason": r} for m, r in result.failed.items()
-            ],
-        }
+        return _install_result(provider, [OffloadEntry(_match(args), args.out_port)])
+    if args.command == "install-batch":
+        batch = [OffloadEntry(FlowMatch(**e["match"]), e["out_port"]) for e in json.load(sys.stdin)]
+        return _install_result(provider, batch)
     if args.command == "remove":
         return {"removed": _flows(provider.remove([_match(args)]))}
+    if args.command == "remove-batch":
+        return {"removed": _flows(provider.remove(FlowMatch(**m) for m in json.load(sys.stdin)))}
     return {"flows": _flows(provider.stats()), "ports": provider.attached_ports()}
 
 
@@ -72,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("describe")
     sub.add_parser("stats")
+    sub.add_parser("install-batch", help="JSON list of entries on stdin")
+    sub.add_parser("remove-batch", help="JSON list of matches on stdin")
     for name in ("attach", "detach"):
         sub.add_parser(name).add_argument("ports", nargs="+")
     for name in ("install", "remove"):
@@ -94,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         provider = XdpProvider(conf)
         conf([], project="flexmig", default_config_files=args.config_file)
         print(json.dumps(_run(provider, args), indent=1))
-    except (exceptions.FlexMigError, cfg.Error) as exc:
+    except (exceptions.FlexMigError, cfg.Error, ValueError, KeyError, TypeError) as exc:
         print(f"xdp-ctl: error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -8,13 +8,14 @@ the state between calls, as they carry it across provider restarts.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import sys
 
 from flexmig import exceptions
 from flexmig.lab.host import LabHost
-from ovs_ext.providers.base import FlowCounters, FlowMatch
+from ovs_ext.providers.base import FlowCounters, FlowMatch, OffloadEntry
 
 PROTO_NAMES = {6: "tcp", 17: "udp"}
 
@@ -23,9 +24,12 @@ class HostXdp:
     def __init__(self, host: LabHost) -> None:
         self.host = host
 
-    def _ctl(self, *args: str, check: bool = True) -> dict:
+    def _ctl(self, *args: str, check: bool = True, stdin: str | None = None) -> dict:
         proc = self.host.ns.run(
-            [sys.executable, "-m", "ovs_ext.providers.xdp.ctl", *args], check=False, timeout=120
+            [sys.executable, "-m", "ovs_ext.providers.xdp.ctl", *args],
+            check=False,
+            timeout=120,
+            input_text=stdin,
         )
         if check and proc.returncode != 0:
             raise exceptions.LabError(
@@ -45,6 +49,14 @@ class HostXdp:
     def install(self, match: FlowMatch, out_port: str) -> dict:
         """{"installed": [...], "failed": [{"match", "reason"}]}"""
         return self._ctl("install", *_match_args(match), out_port)
+
+    def install_batch(self, entries: list[OffloadEntry]) -> dict:
+        rows = [{"match": dataclasses.asdict(e.match), "out_port": e.out_port} for e in entries]
+        return self._ctl("install-batch", stdin=json.dumps(rows))
+
+    def remove_batch(self, matches: list[FlowMatch]) -> dict[FlowMatch, FlowCounters]:
+        rows = [dataclasses.asdict(m) for m in matches]
+        return _counters(self._ctl("remove-batch", stdin=json.dumps(rows))["removed"])
 
     def remove(self, match: FlowMatch) -> dict[FlowMatch, FlowCounters]:
         return _counters(self._ctl("remove", *_match_args(match))["removed"])
