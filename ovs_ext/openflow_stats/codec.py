@@ -8,7 +8,8 @@ switch answers with, so every malformed input maps to exactly one reply.
 from __future__ import annotations
 
 import dataclasses
-import ipaddress
+import functools
+import socket
 import struct
 import typing
 from collections.abc import Iterable, Iterator, Mapping
@@ -213,62 +214,102 @@ def _decode_oxm(data: bytes, position: int, end: int) -> tuple[OxmTlv, int]:
 def match_value(name: str, value: int | str) -> int:
     """A FlowRecord match value as the integer its OXM field carries."""
     if name in ("ipv4_src", "ipv4_dst"):
-        return int(ipaddress.IPv4Address(value))
+        try:
+            return int.from_bytes(socket.inet_pton(socket.AF_INET, str(value)), "big")
+        except OSError as exc:
+            raise exceptions.InvalidInput(
+                what=f"match field {name}", reason=f"{value!r} is not an IPv4 address"
+            ) from exc
     if isinstance(value, bool) or not isinstance(value, int):
         raise exceptions.InvalidInput(what=f"match field {name}", reason=f"{value!r}")
     return value
 
 
-def encode_match(match: Mapping[str, int | str]) -> bytes:
-    """An OXM ``ofp_match`` (padded) for a FlowRecord's match."""
+MatchItems = tuple[tuple[str, int | str], ...]
+# Flows keep their match while their counters change, so a match is
+# validated and encoded once and then looked up: dumping 100k flows every
+# second stays cheap.  Bounded, as the set of flows comes and goes.
+MATCH_CACHE_SIZE = 1 << 18
+
+
+@functools.lru_cache(maxsize=MATCH_CACHE_SIZE)
+def match_fields(items: MatchItems) -> tuple[tuple[str, int], ...]:
+    """A FlowRecord match (``tuple(match.items())``), validated, as integer
+    values in OXM order; raises InvalidInput naming the bad field."""
+    values = dict(items)
+    unknown = set(values) - set(RECORD_FIELDS)
+    if unknown:
+        raise exceptions.InvalidInput(what="match", reason=f"unknown fields {sorted(unknown)}")
+    fields = []
+    for name, (_, width) in RECORD_FIELDS.items():
+        if name not in values:
+            continue
+        number = match_value(name, values[name])
+        high = 0xFEFF if name == "in_port" else (1 << 8 * width) - 1
+        if not 0 <= number <= high:
+            raise exceptions.InvalidInput(what=f"match field {name}", reason=f"{values[name]!r}")
+        if name in PREREQUISITES:
+            needed, needed_value = PREREQUISITES[name]
+            if values.get(needed) != needed_value:
+                raise exceptions.InvalidInput(
+                    what=f"match field {name}", reason=f"needs {needed}={needed_value:#x}"
+                )
+        fields.append((name, number))
+    return tuple(fields)
+
+
+@functools.lru_cache(maxsize=MATCH_CACHE_SIZE)
+def _encoded_match(items: MatchItems) -> bytes:
     body = bytearray()
-    for name, (field, width) in RECORD_FIELDS.items():
-        if name in match:
-            body += OXM_HEADER.pack(ofp13.OFPXMC_OPENFLOW_BASIC, field << 1, width)
-            body += match_value(name, match[name]).to_bytes(width, "big")
+    for name, number in match_fields(items):
+        field, width = RECORD_FIELDS[name]
+        body += OXM_HEADER.pack(ofp13.OFPXMC_OPENFLOW_BASIC, field << 1, width)
+        body += number.to_bytes(width, "big")
     length = MATCH_HEADER.size + len(body)
     return MATCH_HEADER.pack(ofp13.OFPMT_OXM, length) + bytes(body) + bytes(_pad8(length) - length)
 
 
+def match_items(match: Mapping[str, int | str]) -> MatchItems:
+    """The cache key of a match; InvalidInput if a value is not hashable
+    (so not a valid field value either)."""
+    items = tuple(match.items())
+    try:
+        hash(items)
+    except TypeError as exc:
+        raise exceptions.InvalidInput(what="match", reason=str(exc)) from exc
+    return items
+
+
+def encode_match(match: Mapping[str, int | str]) -> bytes:
+    """An OXM ``ofp_match`` (padded) for a FlowRecord's match."""
+    return _encoded_match(match_items(match))
+
+
 # ---------------------------------------------------------------- records
+
+UINT64_MAX = (1 << 64) - 1
 
 
 def check_record(record: FlowRecord) -> None:
-    """Raise InvalidInput if ``record`` cannot be shown as an OpenFlow 1.3 flow."""
-    ranges = {
-        "table_id": (record.table_id, 0, 254),
-        "priority": (record.priority, 0, 0xFFFF),
-        "cookie": (record.cookie, 0, 2**64 - 1),
-        "packets": (record.packets, 0, 2**64 - 1),
-        "bytes": (record.bytes, 0, 2**64 - 1),
-    }
-    if record.out_port is not None:
-        ranges["out_port"] = (record.out_port, 1, 0xFEFF)
-    for what, (value, low, high) in ranges.items():
-        if not low <= value <= high:
-            raise exceptions.InvalidInput(what=what, reason=f"{value} not in {low}..{high}")
+    """Raise InvalidInput if ``record`` cannot be shown as an OpenFlow flow."""
+    checks = (
+        ("table_id", record.table_id, 254),
+        ("priority", record.priority, 0xFFFF),
+        ("cookie", record.cookie, UINT64_MAX),
+        ("packets", record.packets, UINT64_MAX),
+        ("bytes", record.bytes, UINT64_MAX),
+    )
+    for what, value, high in checks:
+        if not 0 <= value <= high:
+            raise exceptions.InvalidInput(what=what, reason=f"{value} not in 0..{high}")
+    if record.out_port is not None and not 1 <= record.out_port <= 0xFEFF:
+        raise exceptions.InvalidInput(what="out_port", reason=f"{record.out_port} not in 1..65279")
     if not 0 <= record.duration_s < 2**32 - 1:
         raise exceptions.InvalidInput(what="duration_s", reason=f"{record.duration_s}")
-    unknown = set(record.match) - set(RECORD_FIELDS)
-    if unknown:
-        raise exceptions.InvalidInput(what="match", reason=f"unknown fields {sorted(unknown)}")
-    for name, value in record.match.items():
-        width = RECORD_FIELDS[name][1]
-        try:
-            number = match_value(name, value)
-        except ValueError as exc:
-            raise exceptions.InvalidInput(what=f"match field {name}", reason=str(exc)) from exc
-        high = 0xFEFF if name == "in_port" else 2 ** (8 * width) - 1
-        if not 0 <= number <= high:
-            raise exceptions.InvalidInput(what=f"match field {name}", reason=f"{value!r}")
-        if name in PREREQUISITES:
-            needed, needed_value = PREREQUISITES[name]
-            if record.match.get(needed) != needed_value:
-                raise exceptions.InvalidInput(
-                    what=f"match field {name}", reason=f"needs {needed}={needed_value:#x}"
-                )
+    match_fields(match_items(record.match))
 
 
+@functools.lru_cache(maxsize=4096)
 def encode_output_instruction(out_port: int | None) -> bytes:
     port = ofp13.OFPP_NORMAL if out_port is None else out_port
     return OUTPUT_INSTRUCTION.pack(ofp13.OFPIT_APPLY_ACTIONS, 24, ofp13.OFPAT_OUTPUT, 16, port, 0)

@@ -11,6 +11,7 @@ differ.
 from __future__ import annotations
 
 import enum
+import functools
 import struct
 from collections.abc import Iterable, Iterator, Mapping
 
@@ -161,29 +162,36 @@ def decode_match(raw: bytes) -> tuple[OxmTlv, ...]:
 
 def encode_match(match: Mapping[str, int | str]) -> bytes:
     """A FlowRecord's match as an OpenFlow 1.0 ofp_match."""
+    return _encoded_match(codec.match_items(match))
+
+
+@functools.lru_cache(maxsize=codec.MATCH_CACHE_SIZE)
+def _encoded_match(items: codec.MatchItems) -> bytes:
+    values = dict(codec.match_fields(items))
     wildcards = WILDCARD_ALL
-
-    def value(name: str) -> int:
-        return codec.match_value(name, match[name]) if name in match else 0
-
     for name, bit in (("in_port", Wildcard.IN_PORT), ("eth_type", Wildcard.DL_TYPE),
                       ("ip_proto", Wildcard.NW_PROTO)):  # fmt: skip
-        if name in match:
+        if name in values:
             wildcards &= ~bit
     for name, shift in (("ipv4_src", NW_SRC_SHIFT), ("ipv4_dst", NW_DST_SHIFT)):
-        if name in match:
+        if name in values:
             wildcards &= ~(NW_ADDR_BITS << shift)
-    tp_src = tp_dst = 0
-    for proto in ("tcp", "udp"):
-        if f"{proto}_src" in match:
-            wildcards &= ~Wildcard.TP_SRC
-            tp_src = value(f"{proto}_src")
-        if f"{proto}_dst" in match:
-            wildcards &= ~Wildcard.TP_DST
-            tp_dst = value(f"{proto}_dst")
-    return MATCH.pack(wildcards, value("in_port"), bytes(6), bytes(6), 0, 0,
-                      value("eth_type"), 0, value("ip_proto"), value("ipv4_src"),
-                      value("ipv4_dst"), tp_src, tp_dst)  # fmt: skip
+    tp_src = values.get("tcp_src", values.get("udp_src"))
+    tp_dst = values.get("tcp_dst", values.get("udp_dst"))
+    if tp_src is not None:
+        wildcards &= ~Wildcard.TP_SRC
+    if tp_dst is not None:
+        wildcards &= ~Wildcard.TP_DST
+    return MATCH.pack(wildcards, values.get("in_port", 0), bytes(6), bytes(6), 0, 0,
+                      values.get("eth_type", 0), 0, values.get("ip_proto", 0),
+                      values.get("ipv4_src", 0), values.get("ipv4_dst", 0), tp_src or 0,
+                      tp_dst or 0)  # fmt: skip
+
+
+@functools.lru_cache(maxsize=4096)
+def _output_action(out_port: int | None) -> bytes:
+    port = OFPP_NORMAL if out_port is None else out_port
+    return OUTPUT_ACTION.pack(OFPAT_OUTPUT, OUTPUT_ACTION.size, port, 0)
 
 
 # ---------------------------------------------------------------- stats
@@ -212,8 +220,7 @@ def encode_flow_stats_request(match: bytes, table_id: int, out_port: int, xid: i
 
 def encode_flow_stats_entry(record: FlowRecord) -> bytes:
     """One OpenFlow 1.0 ofp_flow_stats (call :func:`codec.check_record` first)."""
-    port = OFPP_NORMAL if record.out_port is None else record.out_port
-    action = OUTPUT_ACTION.pack(OFPAT_OUTPUT, OUTPUT_ACTION.size, port, 0)
+    action = _output_action(record.out_port)
     seconds, nanoseconds = codec.split_duration(record.duration_s)
     head = FLOW_STATS_ENTRY.pack(
         FLOW_STATS_ENTRY.size + len(action), record.table_id, encode_match(record.match),

@@ -11,9 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from flexmig import exceptions
 from ovs_ext.flow_record import FlowRecord
 from ovs_ext.openflow_stats import ofp13
-from ovs_ext.openflow_stats.codec import FIELD_NAMES, FlowStatsRequest, OxmTlv, match_value
+from ovs_ext.openflow_stats.codec import (
+    FIELD_NAMES,
+    FlowStatsRequest,
+    OxmTlv,
+    match_fields,
+    match_items,
+)
 
 
 def selects(request: FlowStatsRequest, record: FlowRecord) -> bool:
@@ -27,19 +34,27 @@ def selects(request: FlowStatsRequest, record: FlowRecord) -> bool:
             return False
     if request.out_group != ofp13.OFPG_ANY:
         return False  # these flows output to ports, never to groups
-    return all(_field_agrees(tlv, record) for tlv in request.match)
+    try:
+        return all(_field_agrees(tlv, record) for tlv in request.match)
+    except exceptions.InvalidInput:
+        return False  # a record that cannot be shown is left out later anyway
 
 
 def _field_agrees(tlv: OxmTlv, record: FlowRecord) -> bool:
     name = FIELD_NAMES.get(tlv.field) if tlv.oxm_class == ofp13.OFPXMC_OPENFLOW_BASIC else None
-    if name is None or name not in record.match:
+    value = dict(match_fields(match_items(record.match))).get(name) if name else None
+    if value is None:
         # The flow wildcards this field (FlowRecords carry no others), so it
         # is less specific than the request: not selected.
         return False
-    value = match_value(name, record.match[name])
     mask = tlv.mask if tlv.mask is not None else -1
     return (value ^ tlv.value) & mask == 0
 
 
 def select(request: FlowStatsRequest, records: Iterable[FlowRecord]) -> list[FlowRecord]:
+    if request == SELECT_ALL:  # what a plain dump-flows asks for
+        return list(records)
     return [record for record in records if selects(request, record)]
+
+
+SELECT_ALL = FlowStatsRequest()

@@ -79,7 +79,8 @@ class OpenFlowStatsServer:
         self._selector: selectors.BaseSelector | None = None
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r: socket.socket | None = None  # stop() wakes the loop through it
+        self._wake_w: socket.socket | None = None
         self._unix_inode: tuple[int, int] | None = None
 
     @classmethod
@@ -122,6 +123,7 @@ class OpenFlowStatsServer:
             self._close_listeners()
             raise
         self._selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = socket.socketpair()
         for listener in self._listeners:
             listener.setblocking(False)
             self._selector.register(listener, selectors.EVENT_READ)
@@ -141,7 +143,8 @@ class OpenFlowStatsServer:
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
-        self._wake_w.send(b"x")
+        if self._wake_w is not None:
+            self._wake_w.send(b"x")
         if self._thread is not None:
             self._thread.join(timeout)
             if self._thread.is_alive():
@@ -153,6 +156,10 @@ class OpenFlowStatsServer:
         if self._selector is not None:
             self._selector.close()
             self._selector = None
+        for wake in (self._wake_r, self._wake_w):
+            if wake is not None:
+                wake.close()
+        self._wake_r = self._wake_w = None
 
     def __enter__(self) -> OpenFlowStatsServer:
         self.start()
@@ -213,7 +220,7 @@ class OpenFlowStatsServer:
                 if key.fileobj in self._listeners:
                     self._accept(key.fileobj)
                 elif key.fileobj is self._wake_r:
-                    self._wake_r.recv(64)
+                    key.fileobj.recv(64)
                 else:
                     self._service(key.data, events)
             self._close_idle()

@@ -228,10 +228,15 @@ def test_flow_mod_from_ovs_ofctl_is_refused_and_nothing_changes(endpoint, record
 
 def raw_client(path: str, versions=(4,)) -> socket.socket:
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(10)
-    sock.connect(path)
-    sock.sendall(codec.encode_hello(versions))
-    assert codec.parse_header(receive(sock)).msg_type == ofp13.MsgType.HELLO
+    try:
+        sock.settimeout(10)
+        sock.connect(path)
+        sock.sendall(codec.encode_hello(versions))
+        hello = receive(sock)
+        assert hello and codec.parse_header(hello).msg_type == ofp13.MsgType.HELLO
+    except BaseException:
+        sock.close()
+        raise
     return sock
 
 
@@ -374,3 +379,63 @@ def test_ovs_ofctl_is_the_real_one():
     version = subprocess.run([OVS_OFCTL, "--version"], capture_output=True, text=True, check=True)
     assert re.search(r"ovs-ofctl \(Open vSwitch\) 3\.", version.stdout)
     assert shutil.which("ovs-ofctl") == OVS_OFCTL
+
+
+def test_versions_other_than_10_and_13_fail_negotiation_naming_both(endpoint):
+    _, path = endpoint
+    result = ofctl("-O", "OpenFlow14", "dump-flows", f"unix:{path}", check=False)
+    assert result.returncode != 0
+    assert "peer supports versions 0x01, 0x04" in result.stderr
+
+
+def test_port_mod_and_packet_out_are_refused(endpoint):
+    _, path = endpoint
+    for args in (
+        ("mod-port", f"unix:{path}", "1", "down"),
+        ("-O", "OpenFlow13", "mod-port", f"unix:{path}", "1", "down"),
+        ("-O", "OpenFlow13", "packet-out", f"unix:{path}", "CONTROLLER", "output:1",
+         "ffffffffffff000000000001080045000014000100004006f9e50a0000010a000002"),
+    ):  # fmt: skip
+        result = ofctl(*args, check=False)
+        assert result.returncode != 0 and "OFPBRC_EPERM" in result.stderr
+
+
+def test_a_failing_record_source_closes_only_that_request(tmp_path):
+    path = str(tmp_path / "failing.mgmt")
+    calls = []
+
+    def records():
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("flow manager not ready")
+        return RECORDS
+
+    with OpenFlowStatsServer(records, unix_socket=path):
+        first = ofctl("dump-flows", f"unix:{path}", check=False)
+        assert first.returncode != 0
+        second = ofctl("dump-flows", f"unix:{path}")
+        assert flows(second.stdout) == [expected_line(r) for r in RECORDS]
+
+
+def test_show_and_dump_desc_describe_the_endpoint(endpoint):
+    _, path = endpoint
+    desc = ofctl("dump-desc", f"unix:{path}").stdout
+    assert "Manufacturer: FlexMig" in desc
+    for version in VERSIONS:
+        show = ofctl(*version, "show", f"unix:{path}").stdout
+        assert "capabilities: FLOW_STATS" in show
+        assert "1(vm1-tap)" in show and "2(phy0)" in show
+
+
+@pytest.mark.parametrize("version", ["", "-O OpenFlow13"], ids=["default-OF1.0", "OF1.3"])
+def test_an_operator_at_a_terminal_sees_port_names(endpoint, version):
+    # On a terminal ovs-ofctl also asks for the port and table maps, even
+    # without a match; script(1) gives it one.
+    _, path = endpoint
+    command = f"{OVS_OFCTL} --timeout=10 {version} dump-flows unix:{path}"
+    result = subprocess.run(
+        ["script", "-qec", command, "/dev/null"],
+        capture_output=True, text=True, timeout=30, check=True,
+    )  # fmt: skip
+    assert 'in_port="vm1-tap"' in result.stdout and "actions=output:phy0" in result.stdout
+    assert "n_packets=1234, n_bytes=1851000" in result.stdout

@@ -150,6 +150,8 @@ def test_experimenter_class_fields_are_kept_for_selection():
         (record(table_id=255), "table_id"),
         (record(packets=-1), "packets"),
         (record(duration_s=-1.0), "duration_s"),
+        (record(match={"in_port": [1]}), "unhashable"),
+        (record(match={"in_port": "1"}), "in_port"),
     ],
 )
 def test_records_that_cannot_be_shown_are_rejected_with_the_reason(bad, what):

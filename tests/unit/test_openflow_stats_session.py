@@ -176,11 +176,15 @@ def test_aggregate_sums_the_selected_flows():
     assert struct.unpack_from("!QQI", reply, 16) == (12, 1200, 2)
 
 
-def test_a_record_that_cannot_be_shown_does_not_hide_the_others():
-    bad = FlowRecord(0, 1, 3, {"tcp_dst": 80}, packets=1, bytes=1, duration_s=0)
+@pytest.mark.parametrize("match", [{"tcp_dst": 80}, {"in_port": [1]}, {"ipv4_dst": "::1"}])
+def test_a_record_that_cannot_be_shown_does_not_hide_the_others(match):
+    bad = FlowRecord(0, 1, 3, match, packets=1, bytes=1, duration_s=0)
     session = connected(records=[bad, *RECORDS])
     (reply,) = exchange(session, codec.encode_flow_stats_request(FlowStatsRequest(), xid=1))
     assert [e.cookie for e in codec.decode_flow_stats_entries(reply)] == [1, 2]
+    filtered = FlowStatsRequest(match=(OxmTlv(ofp13.OFPXMC_OPENFLOW_BASIC, 0, 1, None),))
+    (reply,) = exchange(session, codec.encode_flow_stats_request(filtered, xid=2))
+    assert [e.cookie for e in codec.decode_flow_stats_entries(reply)] == [1]
 
 
 def test_large_dump_is_produced_as_the_reader_takes_it():
@@ -234,3 +238,13 @@ def test_non_openflow_bytes_are_refused_without_waiting_for_a_body():
     replies = exchange(session, b"GET / HTTP/1.1\r\n\r\n")  # "length" 0x5420 never arrives
     assert error_of(replies[1])[:2] == (0, 0)
     assert session.closing
+
+
+def test_of10_nicira_set_flow_format_is_refused_so_ovs_ofctl_falls_back():
+    session = connected(version=1)
+    # NXT_SET_FLOW_FORMAT: vendor 0x2320, subtype 12, format 2 (NXM)
+    nxt = codec.encode_message(codec10.MsgType.VENDOR, 6, struct.pack("!III", 0x2320, 12, 2), 1)
+    barrier = codec.encode_message(codec10.MsgType.BARRIER_REQUEST, 7, b"", 1)
+    error, reply = exchange(session, nxt, barrier)
+    assert error_of(error)[:2] == (1, ofp13.BadRequestCode.BAD_EXPERIMENTER)  # BAD_VENDOR
+    assert codec.parse_header(reply)[:2] == (1, codec10.MsgType.BARRIER_REPLY)
