@@ -75,7 +75,7 @@ def bridge_datapath_id(bridge: str) -> int:
     return int(proc.stdout.strip().strip('"'), 16)
 
 
-def configure_bridge(bridge: str, target: str) -> None:
+def configure_bridge(bridge: str, target: str, revalidator_ms: int = 0) -> None:
     """Controller at ``target``, fail-mode standalone, OpenFlow 1.0 and 1.3."""
     cmd = [
         "ovs-vsctl",
@@ -93,6 +93,8 @@ def configure_bridge(bridge: str, target: str) -> None:
         bridge,
         "protocols=OpenFlow10,OpenFlow13",
     ]
+    if revalidator_ms:
+        cmd += ["--", "set", "Open_vSwitch", ".", f"other_config:max-revalidator={revalidator_ms}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         raise OffloadServiceError(
@@ -195,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if opts.configure_bridge:
             target = f"tcp:{opts.controller_address}:{opts.controller_port}"
-            configure_bridge(opts.bridge, target)
+            configure_bridge(opts.bridge, target, opts.ovs_revalidator_ms)
         if not runtime.connected.wait(CONTROLLER_WAIT):
             LOG.error("bridge %s did not connect within %.0f s", opts.bridge, CONTROLLER_WAIT)
         while not runtime.stopping.wait(1.0):
