@@ -54,16 +54,39 @@ class OffloadControl:
 
     # -- policy -------------------------------------------------------------------
     def replace_policy(self, policy: policy_mod.Policy) -> PollReport:
-        """Switch to an already-validated policy; shrink the table if it got smaller."""
+        """Switch to an already-validated policy and apply it to the flows there are.
+
+        Header rules are re-judged for every tracked flow (a new offload rule
+        takes its flows, a removed or onload rule gives them back); a smaller
+        capacity evicts the slowest.
+        """
         self.policy = policy
-        excess = len(self.flows.offloaded()) - self.capacity
-        if excess <= 0:
-            return PollReport()
+        to_offload: list[tuple[TrackedFlow, float, bool]] = []
+        to_onload: list[FlowMatch] = []
+        for flow in self.flows:
+            if not flow.owner:
+                continue
+            was = flow.setup
+            flow.setup = policy_mod.decide_at_setup(policy, flow.match, flow.owner, flow.direction)
+            offloaded = flow.state is FlowState.OFFLOADED
+            if flow.setup.offload and not offloaded:
+                to_offload.append((flow, float("inf"), True))
+            elif offloaded and (
+                flow.setup.pinned_onload or (was.offload and not flow.setup.offload)
+            ):
+                to_onload.append(flow.match)
+            elif flow.setup.pinned_onload:
+                flow.reason = f"header rule {flow.setup.rule!r}: onload"
+        self._onload(tuple(to_onload), "policy reload: no header rule offloads it")
         window = policy.statistics.window_s
-        slowest = sorted(self.flows.offloaded(), key=lambda f: f.rate(window).pps)[:excess]
-        matches = tuple(f.match for f in slowest)
-        self._onload(matches, "evicted: policy capacity lowered")
-        return PollReport(evicted=matches)
+        excess = len(self.flows.offloaded()) + len(to_offload) - self.capacity
+        evicted: tuple[FlowMatch, ...] = ()
+        if excess > 0 and not to_offload:
+            slowest = sorted(self.flows.offloaded(), key=lambda f: f.rate(window).pps)[:excess]
+            evicted = tuple(f.match for f in slowest)
+            self._onload(evicted, "evicted: policy capacity lowered")
+        admitted, more_evicted, refused = self._admit(to_offload, "header rule (policy reload)")
+        return PollReport(tuple(admitted), tuple(to_onload), evicted + tuple(more_evicted), refused)
 
     # -- ports --------------------------------------------------------------------
     def port_added(self, name: str) -> None:

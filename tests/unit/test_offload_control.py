@@ -276,3 +276,24 @@ def test_cookies_round_trip_and_foreign_cookies_are_ignored():
     fm = flows.FlowManager()
     fm.observe_rule_stats({99: FlowCounters(5, 5)})  # unknown flow: no effect, no error
     assert len(fm) == 0
+
+
+def test_policy_reload_rejudges_existing_flows_by_header_rules():
+    sim = Sim(policy.Policy())
+    a, b = flow(1), flow(2)
+    for m in (a, b):
+        sim.start(m, "phy0")
+    sim.tick({a: 100, b: 100})
+    offload_a = policy.HeaderRule("a", policy.Action.OFFLOAD, ip_proto=17, tp_src=40001)
+    report = sim.control.replace_policy(policy.Policy(header_rules=(offload_a,)))
+    assert report.promoted == (a,)
+    assert sim.control.flows.get(a).state is FlowState.OFFLOADED
+    assert sim.control.flows.get(b).state is FlowState.ONLOADED
+    sim.tick({a: 100, b: 100})
+    # The rule goes away: its flow comes back, counters carried over.
+    report = sim.control.replace_policy(policy.Policy())
+    assert report.demoted == (a,)
+    assert "no header rule" in sim.control.flows.get(a).reason
+    sim.tick({a: 100, b: 100})
+    assert sim.total(a).packets == sim.sent[a]
+    assert sim.control.flows.get(a).offloaded_counters.packets == 10
