@@ -12,8 +12,12 @@
 (c) 100k offloaded flows: install (one batch) and statistics polls, timed
     inside host A.
 
-"Offload these flows" is one function, :func:`offload_flows`; today it calls
-the provider in each host, later it can go through the os-ken app's policy.
+"Offload these flows" is one function, :func:`offload_flows`: by default it calls
+the provider in each host (flexmig-offload is stopped on every host so the fast
+path is the benchmark's alone); with ``--offload-path app`` it goes through
+flexmig-offload's policy instead: header rules for exactly these flows, loaded
+with SIGHUP, which the app applies to new and existing flows (the app keeps the
+eSwitch attached to every port, so there "plain" is the same as "miss").
 """
 
 from __future__ import annotations
@@ -28,7 +32,7 @@ import sys
 import time
 from pathlib import Path
 
-from flexmig.lab import endpoints, traffic
+from flexmig.lab import endpoints, offload, traffic
 from flexmig.lab.host import LabHost
 from flexmig.lab.lab import Lab
 from ovs_ext.providers.base import FlowMatch, OffloadEntry
@@ -48,8 +52,44 @@ class Placement:
     entry: OffloadEntry
 
 
+APP_PATH = "flexmig-offload policy (header rules via SIGHUP, judged by the os-ken app)"
+# Through the app: everything onloaded (judged at setup, switched by OVS) unless a
+# header rule offloads it; no statistics rule, so nothing moves on its own.
+APP_BASE_POLICY = "capacity: 1000000\nheader_rules: []\n"
+APP_SETTLE_S = 0.5  # SIGHUP handled, existing flows re-judged
+
+
+class Path_:
+    """Which way flows are offloaded in this run (--offload-path)."""
+
+    via_app = False
+
+
+def _app_rule(index: int, placement: Placement) -> str:
+    match, out_port = placement.entry.match, placement.entry.out_port
+    egress = match.in_port != "phy0"
+    port, direction = (match.in_port, "egress") if egress else (out_port, "ingress")
+    proto = "tcp" if match.ip_proto == TCP else "udp"
+    return (
+        f"  - {{name: p{index}, port: {port}, direction: {direction}, ip_proto: {proto}, "
+        f"ipv4_src: {match.ipv4_src}/32, ipv4_dst: {match.ipv4_dst}/32, "
+        f"tp_src: {match.tp_src}, tp_dst: {match.tp_dst}, action: offload}}"
+    )
+
+
+def _app_policy(lab: Lab, placements: list[Placement]) -> None:
+    for host in ("A", "B"):
+        rules = [_app_rule(i, p) for i, p in enumerate(placements) if p.host == host]
+        text = "capacity: 1000000\nheader_rules:\n" + "\n".join(rules) + "\n"
+        offload.LabOffload(lab.host(host)).reload(text if rules else APP_BASE_POLICY)
+    time.sleep(APP_SETTLE_S)
+
+
 def offload_flows(lab: Lab, placements: list[Placement]) -> str:
     """Offload every placement; returns which path did it (for the table)."""
+    if Path_.via_app:
+        _app_policy(lab, placements)
+        return APP_PATH
     for host in sorted({p.host for p in placements}):
         entries = [p.entry for p in placements if p.host == host]
         result = HostXdp(lab.host(host)).install_batch(entries)
@@ -59,6 +99,9 @@ def offload_flows(lab: Lab, placements: list[Placement]) -> str:
 
 
 def onload_flows(lab: Lab, placements: list[Placement]) -> None:
+    if Path_.via_app:
+        _app_policy(lab, [])
+        return
     for host in sorted({p.host for p in placements}):
         HostXdp(lab.host(host)).remove_batch([p.entry.match for p in placements if p.host == host])
 
@@ -132,7 +175,7 @@ def packet_rate(lab: Lab, src, dst, duration: float, mode: str) -> dict[str, flo
     ports = (src.port, dst.port)
     match = FlowMatch(src.port, UDP, src.ip, dst.ip, 7000, 9000)
     placement = [Placement("A", OffloadEntry(match, dst.port))]
-    if mode != "plain":
+    if mode != "plain" and not Path_.via_app:
         xdp.attach(*ports)
     if mode == "offloaded":
         offload_flows(lab, placement)
@@ -143,7 +186,7 @@ def packet_rate(lab: Lab, src, dst, duration: float, mode: str) -> dict[str, flo
     finally:
         if mode == "offloaded":
             onload_flows(lab, placement)
-        if mode != "plain":
+        if mode != "plain" and not Path_.via_app:
             xdp.detach(*ports)
     return {"sent_pps": sent["pps"], "received_pps": got["received_packets"] / duration}
 
@@ -228,8 +271,9 @@ def stream_row(lab: Lab, senders, receivers, proto: str, duration: float, offloa
     placements = stream_placements(senders, receivers, proto)
     a_ports, b_ports = ["phy0", *(r.port for r in receivers)], ["phy0", *(s.port for s in senders)]
     if offload:
-        xdp_a.attach(*a_ports)
-        xdp_b.attach(*b_ports)
+        if not Path_.via_app:
+            xdp_a.attach(*a_ports)
+            xdp_b.attach(*b_ports)
         offload_flows(lab, placements)
     run = run_tcp_streams if proto == "tcp" else run_udp_streams
     try:
@@ -239,8 +283,9 @@ def stream_row(lab: Lab, senders, receivers, proto: str, duration: float, offloa
     finally:
         if offload:
             onload_flows(lab, placements)
-            xdp_a.detach(*a_ports)
-            xdp_b.detach(*b_ports)
+            if not Path_.via_app:
+                xdp_a.detach(*a_ports)
+                xdp_b.detach(*b_ports)
     host_pct = cpu.ovs_pct + cpu.softirq_pct
     return {
         "gbps": gbps,
@@ -318,6 +363,12 @@ def setup_lab(streams: int) -> tuple[Lab, dict[str, endpoints.Endpoint]]:
     lab = Lab()
     lab.down()
     lab.up(2)
+    for host in lab.hosts():
+        service = offload.LabOffload(host)
+        if Path_.via_app:
+            service.start(APP_BASE_POLICY)
+        else:
+            service.stop()
     eps = {"a1": endpoints.add(lab, "A", "a1"), "a2": endpoints.add(lab, "A", "a2")}
     for i in range(streams):
         eps[f"r{i}"] = endpoints.add(lab, "A", f"r{i}")
@@ -367,7 +418,7 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
         "One run per comparison, side by side. The machine has 2 cores shared with other "
         "developers' labs and QEMU guests while this ran: absolute numbers are noisy, the "
         "ratios within a table are the result. Offloads were installed through: "
-        f"**{OFFLOAD_PATH}**.",
+        f"**{APP_PATH if Path_.via_app else OFFLOAD_PATH}**.",
         "",
         "## (a) Packets/s, endpoint a1 -> a2 on host A (64-byte frames, udpgen --raw, "
         f"{args.duration:g} s, unpaced)",
@@ -439,6 +490,13 @@ def main() -> int:
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--streams", default="1,2,4,8")
     parser.add_argument("--flows", type=int, default=100_000)
+    parser.add_argument(
+        "--offload-path",
+        choices=("provider", "app"),
+        default="provider",
+        help="install offloads by calling the provider (default) or through "
+        "flexmig-offload's policy",
+    )
     parser.add_argument("--scale-inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--in-port", help=argparse.SUPPRESS)
     parser.add_argument("--out-port", help=argparse.SUPPRESS)
@@ -447,6 +505,7 @@ def main() -> int:
         print(json.dumps(scale_inside(args.flows, args.in_port, args.out_port)))
         return 0
     traffic.check_built()
+    Path_.via_app = args.offload_path == "app"
     command = ".venv/bin/python -m tests.bench.bench_offload_datapath " + " ".join(sys.argv[1:])
     results = measure(args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
