@@ -221,9 +221,13 @@ class OffloadApp(app_manager.OSKenApp):
             except OffloadError as exc:
                 LOG.error("provider %s statistics: %s", control.provider_name, exc)
                 provider_stats = {}
-            control.poll(rule_stats, provider_stats)
+            report = control.poll(rule_stats, provider_stats)
             if self.rt.status_file:
                 _write_json(self.rt.status_file, control.status())
+        dp = msg.datapath
+        for flow in report.expired:
+            exact = openflow.delete_owned(dp.ofproto_parser, dp.ofproto, flow.cookie, 2**64 - 1)
+            self.send(exact)
 
     # -- helpers ------------------------------------------------------------------------
     def send(self, msg: Any) -> None:

@@ -65,6 +65,15 @@ offload_opts = [
         "fail-mode standalone (the bridge keeps switching if the app dies) and "
         "allow OpenFlow 1.0 and 1.3 (the app speaks 1.3 only).",
     ),
+    cfg.FloatOpt(
+        "flow_idle_timeout",
+        default=300.0,
+        min=0.0,
+        max=86400.0,
+        help="Seconds without a packet (onloaded or offloaded) after which a flow "
+        "is forgotten: its OpenFlow rule and offload entry are removed and its "
+        "next packet starts a new flow. 0: never.",
+    ),
     cfg.IntOpt(
         "ovs_revalidator_ms",
         default=0,

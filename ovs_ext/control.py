@@ -28,6 +28,7 @@ class PollReport:
     demoted: tuple[FlowMatch, ...] = ()
     evicted: tuple[FlowMatch, ...] = ()
     refused: Mapping[FlowMatch, str] = dataclasses.field(default_factory=dict)
+    expired: tuple[TrackedFlow, ...] = ()  # forgotten: the app deletes their rules
 
 
 class OffloadControl:
@@ -39,6 +40,7 @@ class OffloadControl:
         dispatchers: Dispatchers,
         flows: FlowManager | None = None,
         wall_clock: Callable[[], float] = time.time,
+        idle_timeout: float = 0.0,
     ) -> None:
         self.policy = policy
         self.provider = provider
@@ -46,6 +48,7 @@ class OffloadControl:
         self.dispatchers = dispatchers
         self.flows = flows if flows is not None else FlowManager()
         self.wall_clock = wall_clock
+        self.idle_timeout = idle_timeout  # 0: flows are never forgotten
         self.provider_capacity = provider.describe().capacity
 
     @property
@@ -152,9 +155,10 @@ class OffloadControl:
         self.flows.observe_rule_stats(rule_stats)
         self.flows.observe_provider_stats(provider_stats)
         self.flows.sample()
+        expired = self._expire_idle()
         rule = self.policy.statistics
         if not rule.enabled:
-            return PollReport()
+            return PollReport(expired=expired)
         demote: list[FlowMatch] = []
         candidates: list[tuple[TrackedFlow, float, bool]] = []
         for flow in self.flows:
@@ -168,7 +172,22 @@ class OffloadControl:
                     candidates.append((flow, rate.pps, False))
         self._onload(tuple(demote), "demoted: below the lower marks")
         admitted, evicted, refused = self._admit(candidates, "promoted by statistics")
-        return PollReport(tuple(admitted), tuple(demote), tuple(evicted), refused)
+        return PollReport(tuple(admitted), tuple(demote), tuple(evicted), refused, expired)
+
+    def _expire_idle(self) -> tuple[TrackedFlow, ...]:
+        """Forget flows idle for idle_timeout (an OpenFlow idle timeout cannot be
+        used: an offloaded flow's rule sees no packets while it is busy)."""
+        if self.idle_timeout <= 0:
+            return ()
+        idle = tuple(self.flows.idle_since(self.idle_timeout))
+        self._onload(
+            tuple(f.match for f in idle if f.state is FlowState.OFFLOADED), "idle: expired"
+        )
+        for flow in idle:
+            self.flows.forget(flow.match)
+            for dispatcher in self.dispatchers.by_port.values():
+                dispatcher.forget(flow.match)
+        return idle
 
     def _admit(
         self, candidates: list[tuple[TrackedFlow, float, bool]], reason: str

@@ -89,6 +89,7 @@ class TrackedFlow:
     offload_live: FlowCounters = dataclasses.field(default_factory=FlowCounters)
     offload_done: FlowCounters = dataclasses.field(default_factory=FlowCounters)
     quiet_polls: int = 0
+    last_active: float = 0.0  # monotonic; when its total last grew
     offloaded_at: float | None = None  # wall clock of the latest promotion
     moves: int = 0
     history: collections.deque[tuple[float, int, int]] = dataclasses.field(
@@ -199,7 +200,14 @@ class FlowManager:
         now = self.clock()
         for flow in self._flows.values():
             total = flow.total
+            if not flow.history or flow.history[-1][1] != total.packets:
+                flow.last_active = now
             flow.history.append((now, total.packets, total.bytes))
+
+    def idle_since(self, seconds: float) -> list[TrackedFlow]:
+        """Flows whose counters have not moved for ``seconds``."""
+        cutoff = self.clock() - seconds
+        return [f for f in self._flows.values() if max(f.last_active, f.first_seen) < cutoff]
 
     # -- moves ------------------------------------------------------------------
     def mark_offloaded(self, match: FlowMatch, reason: str, wall_time: float) -> None:

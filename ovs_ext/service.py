@@ -172,7 +172,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     dispatchers = Dispatchers(provider, opts.provider, opts.vm_port_patterns, opts.uplinks)
-    control = OffloadControl(active_policy, provider, opts.provider, dispatchers)
+    control = OffloadControl(
+        active_policy, provider, opts.provider, dispatchers, idle_timeout=opts.flow_idle_timeout
+    )
     runtime = Runtime(control, opts.bridge, opts.poll_interval, opts.status_file)
     try:
         runtime.datapath_id = bridge_datapath_id(opts.bridge)

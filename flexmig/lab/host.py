@@ -226,7 +226,7 @@ class LabHost:
             "daemons": {
                 **{d: (alive and self._pid_alive(p)) for d, p in daemons.items()},
                 "flexmig-agent": agent,
-                "flexmig-offload": alive and offload.status_line(self),
+                "flexmig-offload": alive and offload.running(self),
             },
         }
 

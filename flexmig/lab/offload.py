@@ -170,5 +170,5 @@ def start_if_available(host: LabHost) -> bool:
     return True
 
 
-def status_line(host: LabHost) -> bool:
+def running(host: LabHost) -> bool:
     return LabOffload(host).running()

@@ -52,6 +52,8 @@ class Sim:
         for match, pps in rates.items():
             n = int(pps * dt)
             self.sent[match] += n
+            if n == 0:
+                continue
             if match in self.provider.entries:
                 self.provider.carry(match, n, SIZE)
             else:
@@ -297,3 +299,20 @@ def test_policy_reload_rejudges_existing_flows_by_header_rules():
     sim.tick({a: 100, b: 100})
     assert sim.total(a).packets == sim.sent[a]
     assert sim.control.flows.get(a).offloaded_counters.packets == 10
+
+
+def test_idle_flows_are_forgotten_with_their_offload_entry():
+    sim = Sim(stats_policy())
+    sim.control.idle_timeout = 1.0
+    busy, quiet = flow(1), flow(2)
+    for m in (busy, quiet):
+        sim.start(m, "phy0")
+    sim.tick({busy: 5000, quiet: 5000})
+    sim.tick({busy: 5000, quiet: 5000})
+    assert quiet in sim.provider.entries
+    expired = []
+    for _ in range(15):
+        expired += sim.tick({busy: 5000, quiet: 0}).expired
+    assert [f.match for f in expired] == [quiet]
+    assert sim.control.flows.get(quiet) is None and quiet not in sim.provider.entries
+    assert sim.control.flows.get(busy) is not None
