@@ -35,6 +35,7 @@ from ovs_ext.providers.base import FlowCounters, OffloadError
 LOG = logging.getLogger("flexmig.ovs_ext.app")
 # A stats request unanswered this many intervals is given up and re-sent.
 STATS_REPLY_PATIENCE = 20
+STATUS_EVERY_POLL_UP_TO = 10_000  # flows
 
 
 @dataclasses.dataclass
@@ -66,6 +67,7 @@ class OffloadApp(app_manager.OSKenApp):
         self._stats_parts: dict[int, FlowCounters] = {}
         self._stats_sent_at: float | None = None
         self._barrier_done = threading.Event()
+        self._polls = 0
         self._poller = hub.spawn(self._poll_loop)
 
     # -- switch connection ---------------------------------------------------------
@@ -222,7 +224,10 @@ class OffloadApp(app_manager.OSKenApp):
                 LOG.error("provider %s statistics: %s", control.provider_name, exc)
                 provider_stats = {}
             report = control.poll(rule_stats, provider_stats)
-            if self.rt.status_file:
+            self._polls += 1
+            # Every poll while small; a big table is rewritten less often.
+            every = 1 if len(control.flows) <= STATUS_EVERY_POLL_UP_TO else 10
+            if self.rt.status_file and self._polls % every == 0:
                 _write_json(self.rt.status_file, control.status())
         dp = msg.datapath
         for flow in report.expired:

@@ -18,7 +18,7 @@ offload_opts = [
         choices=[
             ("xdp", "XDP/eBPF eSwitch on the VM ports and uplink (any Linux host)"),
             ("tc-flower", "tc flower rules with skip_sw on switchdev VF representors"),
-            ("noop", "reference provider: accepts entries, carries no traffic"),
+            ("noop", "reference provider: offloads nothing (every install refused)"),
         ],
         help="Offload provider (entry point in flexmig.offload_providers) that "
         "carries offloaded flows.",
