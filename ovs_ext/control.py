@@ -278,6 +278,7 @@ class OffloadControl:
         return {
             "provider": self.provider_name,
             "policy": self.policy.source,
+            "header_rules": [rule.name for rule in self.policy.header_rules],
             "capacity": self.capacity,
             "offloaded": len(self.flows.offloaded()),
             "ports": sorted(self.dispatchers.by_port),
