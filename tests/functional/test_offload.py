@@ -188,22 +188,25 @@ def test_statistics_rule_promotes_an_elephant_and_demotes_it_with_hysteresis(ola
 def test_counters_exact_across_a_promotion(olab, lab):
     service, eps = olab
     sport, dport = 41003, 9301
-    packets = 20_000  # plus the first one; 5k pps: loss-free even on a busy machine
+    packets = 20_000  # plus the first one; 4k pps: above promote_pps, gentle on OVS
     receiver = traffic.Receiver(endpoints.exec_prefix(eps["r1"]), dport, count=packets + 1)
     start_flow(service, eps, "s1", sport, dport)
-    send(eps, "s1", sport, dport, packets, rate=5000)
+    send(eps, "s1", sport, dport, packets, rate=4000)
     received = receiver.result()["received_packets"]
-    assert received == packets + 1, "the lab lost packets: counts cannot be exact"
     flow = wait_flow(service, sport, dport, lambda f: f["moves"] >= 1, timeout=2)
     settle()
     shown = endpoint_counts(service, sport, dport)
     total, offloaded = shown[0][0], shown[200][0]
-    assert total == received  # onloaded + offloaded = P, in ovs-ofctl
+    # Every delivered packet counted once, wherever it went: onloaded + offloaded.
+    # On a loss-free run (the usual case) that is every packet sent.
+    assert total == received
     assert 0 < offloaded < received  # it really moved mid-flow
     onloaded_in_ovs = bridge_rule_packets(lab.host("A"), sport, dport)
     assert onloaded_in_ovs + 1 + offloaded == received  # the 1: the judged first packet
     assert shown[0][1] == received * FRAME
     assert flow["state"] in ("offloaded", "onloaded")
+    # Losses can only happen in OVS before promotion, never in the fast path.
+    assert packets + 1 - received <= onloaded_in_ovs
 
 
 def test_full_offload_table_evicts_the_slowest_flow(olab):
@@ -330,12 +333,15 @@ def test_provider_refusal_leaves_the_flow_onloaded_with_the_reason(olab, lab):
         assert flow["reason"] == "offload refused: provider xdp: offload table full (capacity 16)"
         assert "offload table full" in service.log_tail(30)
         packets = 2000
-        send(eps, "s1", 41031, 9601, packets)
+        receiver = traffic.Receiver(endpoints.exec_prefix(eps["r1"]), 9601, count=packets)
+        send(eps, "s1", 41031, 9601, packets, rate=2000)
+        received = receiver.result()["received_packets"]
         settle()
         shown = endpoint_counts(service, 41031, 9601)
         assert 200 not in shown  # nothing offloaded
-        assert shown[0][0] == packets + 1
-        assert bridge_rule_packets(host, 41031, 9601) == packets
+        # All through OVS: its rule counted every delivered packet, plus the first.
+        assert shown[0][0] == received + 1
+        assert bridge_rule_packets(host, 41031, 9601) == received
     finally:
         service.start(ELEPHANT_POLICY)
         wait_status(service, lambda s: "ep-r1" in s["fast_path_ports"])
