@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -156,44 +157,58 @@ def clear_stale_entries(provider: OffloadProvider, name: str) -> int:
     return len(stale)
 
 
-def main(argv: list[str] | None = None) -> int:
+def prepare(argv: list[str]) -> tuple[cfg.ConfigOpts, Runtime]:
+    """Everything that can be refused, before anything listens or the bridge is touched."""
     conf = cfg.ConfigOpts()
     config.register_opts(conf)
     stats_config.register_opts(conf)
-    try:
-        conf(sys.argv[1:] if argv is None else argv, project="flexmig", prog="flexmig-offload")
-        config.validate(conf)
-        opts = conf.offload
-        active_policy = policy.load_policy(opts.policy_file)
-        provider = load_provider(conf, opts.provider)
-        clear_stale_entries(provider, opts.provider)
-    except (cfg.Error, exceptions.FlexMigError, OSError) as exc:
-        print(f"flexmig-offload: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    conf(argv, project="flexmig", prog="flexmig-offload")
+    config.validate(conf)
+    opts = conf.offload
+    active_policy = policy.load_policy(opts.policy_file)
+    provider = load_provider(conf, opts.provider)
+    check_listen(opts.controller_address, opts.controller_port)
+    datapath_id = bridge_datapath_id(opts.bridge)
+    clear_stale_entries(provider, opts.provider)
     dispatchers = Dispatchers(provider, opts.provider, opts.vm_port_patterns, opts.uplinks)
     control = OffloadControl(
         active_policy, provider, opts.provider, dispatchers, idle_timeout=opts.flow_idle_timeout
     )
     runtime = Runtime(control, opts.bridge, opts.poll_interval, opts.status_file)
+    runtime.datapath_id = datapath_id
+    return conf, runtime
+
+
+def check_listen(address: str, port: int) -> None:
+    """os-ken binds in a thread and only logs a failure: find it here instead."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((address, port))
+        except OSError as exc:
+            raise OffloadServiceError(
+                reason=f"cannot listen on {address}:{port} for the bridge: {exc.strerror}"
+            ) from exc
+
+
+def main(argv: list[str] | None = None) -> int:
     try:
-        runtime.datapath_id = bridge_datapath_id(opts.bridge)
-    except OffloadServiceError as exc:
-        print(exc, file=sys.stderr)
+        conf, runtime = prepare(sys.argv[1:] if argv is None else argv)
+        endpoint = _start_stats_endpoint(conf, runtime)
+    except (cfg.Error, exceptions.FlexMigError, OSError) as exc:
+        print(f"flexmig-offload: {exc}", file=sys.stderr)
         return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    opts = conf.offload
     LOG.info(
         "provider %s (capacity %d), policy %s, bridge %s",
         opts.provider,
-        control.capacity,
+        runtime.control.capacity,
         opts.policy_file,
         opts.bridge,
     )
     _start_osken(runtime, opts.controller_address, opts.controller_port)
-    try:
-        endpoint = _start_stats_endpoint(conf, runtime)
-    except exceptions.FlexMigError as exc:
-        LOG.error("%s", exc)
-        return 2
     _install_signal_handlers(runtime, opts.policy_file)
     rc = 0
     try:
