@@ -225,64 +225,58 @@ def match_value(name: str, value: int | str) -> int:
     return value
 
 
-MatchItems = tuple[tuple[str, int | str], ...]
-# Flows keep their match while their counters change, so a match is
-# validated and encoded once and then looked up: dumping 100k flows every
-# second stays cheap.  Bounded, as the set of flows comes and goes.
-MATCH_CACHE_SIZE = 1 << 18
+# Per field, precomputed (a dump encodes every flow's match each time, 100k
+# of them at scale): name, width, largest value, prerequisite, OXM header.
+_FieldSpec = tuple[str, int, int, "tuple[str, int] | None", bytes]
+FIELD_SPECS: tuple[_FieldSpec, ...] = tuple(
+    (
+        name,
+        width,
+        0xFEFF if name == "in_port" else (1 << 8 * width) - 1,  # OFPP_MAX - 1 for ports
+        PREREQUISITES.get(name),
+        OXM_HEADER.pack(ofp13.OFPXMC_OPENFLOW_BASIC, field << 1, width),
+    )
+    for name, (field, width) in RECORD_FIELDS.items()
+)
+_KNOWN_FIELDS = frozenset(RECORD_FIELDS)
+_PADDING = [bytes(n) for n in range(8)]
 
 
-@functools.lru_cache(maxsize=MATCH_CACHE_SIZE)
-def match_fields(items: MatchItems) -> tuple[tuple[str, int], ...]:
-    """A FlowRecord match (``tuple(match.items())``), validated, as integer
-    values in OXM order; raises InvalidInput naming the bad field."""
-    values = dict(items)
-    unknown = set(values) - set(RECORD_FIELDS)
-    if unknown:
-        raise exceptions.InvalidInput(what="match", reason=f"unknown fields {sorted(unknown)}")
+def _checked_fields(match: Mapping[str, int | str]) -> list[tuple[_FieldSpec, int]]:
+    if not _KNOWN_FIELDS.issuperset(match):
+        unknown = sorted(set(match) - _KNOWN_FIELDS)
+        raise exceptions.InvalidInput(what="match", reason=f"unknown fields {unknown}")
     fields = []
-    for name, (_, width) in RECORD_FIELDS.items():
-        if name not in values:
+    for spec in FIELD_SPECS:
+        name, _, high, prerequisite, _ = spec
+        if name not in match:
             continue
-        number = match_value(name, values[name])
-        high = 0xFEFF if name == "in_port" else (1 << 8 * width) - 1
+        value = match[name]
+        number = value if type(value) is int else match_value(name, value)
         if not 0 <= number <= high:
-            raise exceptions.InvalidInput(what=f"match field {name}", reason=f"{values[name]!r}")
-        if name in PREREQUISITES:
-            needed, needed_value = PREREQUISITES[name]
-            if values.get(needed) != needed_value:
-                raise exceptions.InvalidInput(
-                    what=f"match field {name}", reason=f"needs {needed}={needed_value:#x}"
-                )
-        fields.append((name, number))
-    return tuple(fields)
+            raise exceptions.InvalidInput(what=f"match field {name}", reason=f"{value!r}")
+        if prerequisite is not None and match.get(prerequisite[0]) != prerequisite[1]:
+            needed, needed_value = prerequisite
+            raise exceptions.InvalidInput(
+                what=f"match field {name}", reason=f"needs {needed}={needed_value:#x}"
+            )
+        fields.append((spec, number))
+    return fields
 
 
-@functools.lru_cache(maxsize=MATCH_CACHE_SIZE)
-def _encoded_match(items: MatchItems) -> bytes:
-    body = bytearray()
-    for name, number in match_fields(items):
-        field, width = RECORD_FIELDS[name]
-        body += OXM_HEADER.pack(ofp13.OFPXMC_OPENFLOW_BASIC, field << 1, width)
-        body += number.to_bytes(width, "big")
-    length = MATCH_HEADER.size + len(body)
-    return MATCH_HEADER.pack(ofp13.OFPMT_OXM, length) + bytes(body) + bytes(_pad8(length) - length)
-
-
-def match_items(match: Mapping[str, int | str]) -> MatchItems:
-    """The cache key of a match; InvalidInput if a value is not hashable
-    (so not a valid field value either)."""
-    items = tuple(match.items())
-    try:
-        hash(items)
-    except TypeError as exc:
-        raise exceptions.InvalidInput(what="match", reason=str(exc)) from exc
-    return items
+def match_fields(match: Mapping[str, int | str]) -> dict[str, int]:
+    """A FlowRecord match validated, as the integers its OXM fields carry;
+    raises InvalidInput naming the bad field."""
+    return {spec[0]: number for spec, number in _checked_fields(match)}
 
 
 def encode_match(match: Mapping[str, int | str]) -> bytes:
-    """An OXM ``ofp_match`` (padded) for a FlowRecord's match."""
-    return _encoded_match(match_items(match))
+    """An OXM ``ofp_match`` (padded) for a FlowRecord's match (validated)."""
+    body = b"".join(
+        spec[4] + number.to_bytes(spec[1], "big") for spec, number in _checked_fields(match)
+    )
+    length = MATCH_HEADER.size + len(body)
+    return MATCH_HEADER.pack(ofp13.OFPMT_OXM, length) + body + _PADDING[-length % 8]
 
 
 # ---------------------------------------------------------------- records
@@ -290,8 +284,8 @@ def encode_match(match: Mapping[str, int | str]) -> bytes:
 UINT64_MAX = (1 << 64) - 1
 
 
-def check_record(record: FlowRecord) -> None:
-    """Raise InvalidInput if ``record`` cannot be shown as an OpenFlow flow."""
+def check_counters(record: FlowRecord) -> None:
+    """Raise InvalidInput if a record's numbers do not fit OpenFlow's fields."""
     checks = (
         ("table_id", record.table_id, 254),
         ("priority", record.priority, 0xFFFF),
@@ -300,13 +294,20 @@ def check_record(record: FlowRecord) -> None:
         ("bytes", record.bytes, UINT64_MAX),
     )
     for what, value, high in checks:
-        if not 0 <= value <= high:
-            raise exceptions.InvalidInput(what=what, reason=f"{value} not in 0..{high}")
-    if record.out_port is not None and not 1 <= record.out_port <= 0xFEFF:
-        raise exceptions.InvalidInput(what="out_port", reason=f"{record.out_port} not in 1..65279")
-    if not 0 <= record.duration_s < 2**32 - 1:
-        raise exceptions.InvalidInput(what="duration_s", reason=f"{record.duration_s}")
-    match_fields(match_items(record.match))
+        if type(value) is not int or not 0 <= value <= high:
+            raise exceptions.InvalidInput(what=what, reason=f"{value!r} not in 0..{high}")
+    out_port = record.out_port
+    if out_port is not None and (type(out_port) is not int or not 1 <= out_port <= 0xFEFF):
+        raise exceptions.InvalidInput(what="out_port", reason=f"{out_port!r} not in 1..65279")
+    duration = record.duration_s
+    if type(duration) not in (int, float) or not 0 <= duration < 2**32 - 1:
+        raise exceptions.InvalidInput(what="duration_s", reason=f"{duration!r}")
+
+
+def check_record(record: FlowRecord) -> None:
+    """Raise InvalidInput if ``record`` cannot be shown as an OpenFlow flow."""
+    check_counters(record)
+    _checked_fields(record.match)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -323,7 +324,8 @@ def split_duration(duration_s: float) -> tuple[int, int]:
 
 
 def encode_flow_stats_entry(record: FlowRecord) -> bytes:
-    """One ``ofp_flow_stats`` (call :func:`check_record` first)."""
+    """One ``ofp_flow_stats``; InvalidInput if the record cannot be shown."""
+    check_counters(record)
     match = encode_match(record.match)
     instructions = encode_output_instruction(record.out_port)
     seconds, nanoseconds = split_duration(record.duration_s)

@@ -161,31 +161,33 @@ def decode_match(raw: bytes) -> tuple[OxmTlv, ...]:
 
 
 def encode_match(match: Mapping[str, int | str]) -> bytes:
-    """A FlowRecord's match as an OpenFlow 1.0 ofp_match."""
-    return _encoded_match(codec.match_items(match))
-
-
-@functools.lru_cache(maxsize=codec.MATCH_CACHE_SIZE)
-def _encoded_match(items: codec.MatchItems) -> bytes:
-    values = dict(codec.match_fields(items))
+    """A FlowRecord's match (validated) as an OpenFlow 1.0 ofp_match."""
+    values = codec.match_fields(match)
+    get = values.get
     wildcards = WILDCARD_ALL
-    for name, bit in (("in_port", Wildcard.IN_PORT), ("eth_type", Wildcard.DL_TYPE),
-                      ("ip_proto", Wildcard.NW_PROTO)):  # fmt: skip
+    for name, bits in _WILDCARD_OF:
         if name in values:
-            wildcards &= ~bit
-    for name, shift in (("ipv4_src", NW_SRC_SHIFT), ("ipv4_dst", NW_DST_SHIFT)):
-        if name in values:
-            wildcards &= ~(NW_ADDR_BITS << shift)
-    tp_src = values.get("tcp_src", values.get("udp_src"))
-    tp_dst = values.get("tcp_dst", values.get("udp_dst"))
+            wildcards &= ~bits
+    tp_src = get("tcp_src", get("udp_src"))
+    tp_dst = get("tcp_dst", get("udp_dst"))
     if tp_src is not None:
         wildcards &= ~Wildcard.TP_SRC
     if tp_dst is not None:
         wildcards &= ~Wildcard.TP_DST
-    return MATCH.pack(wildcards, values.get("in_port", 0), bytes(6), bytes(6), 0, 0,
-                      values.get("eth_type", 0), 0, values.get("ip_proto", 0),
-                      values.get("ipv4_src", 0), values.get("ipv4_dst", 0), tp_src or 0,
-                      tp_dst or 0)  # fmt: skip
+    return MATCH.pack(wildcards, get("in_port", 0), _NO_MAC, _NO_MAC, 0, 0, get("eth_type", 0),
+                      0, get("ip_proto", 0), get("ipv4_src", 0), get("ipv4_dst", 0),
+                      tp_src or 0, tp_dst or 0)  # fmt: skip
+
+
+_NO_MAC = bytes(6)
+# FlowRecord field -> the wildcard bits that stop being wildcarded when it is set
+_WILDCARD_OF = (
+    ("in_port", Wildcard.IN_PORT),
+    ("eth_type", Wildcard.DL_TYPE),
+    ("ip_proto", Wildcard.NW_PROTO),
+    ("ipv4_src", NW_ADDR_BITS << NW_SRC_SHIFT),
+    ("ipv4_dst", NW_ADDR_BITS << NW_DST_SHIFT),
+)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -219,7 +221,8 @@ def encode_flow_stats_request(match: bytes, table_id: int, out_port: int, xid: i
 
 
 def encode_flow_stats_entry(record: FlowRecord) -> bytes:
-    """One OpenFlow 1.0 ofp_flow_stats (call :func:`codec.check_record` first)."""
+    """One OpenFlow 1.0 ofp_flow_stats; InvalidInput if the record cannot be shown."""
+    codec.check_counters(record)
     action = _output_action(record.out_port)
     seconds, nanoseconds = codec.split_duration(record.duration_s)
     head = FLOW_STATS_ENTRY.pack(

@@ -19,7 +19,6 @@ from ovs_ext.openflow_stats.codec import (
     FlowStatsRequest,
     OxmTlv,
     match_fields,
-    match_items,
 )
 
 
@@ -34,15 +33,18 @@ def selects(request: FlowStatsRequest, record: FlowRecord) -> bool:
             return False
     if request.out_group != ofp13.OFPG_ANY:
         return False  # these flows output to ports, never to groups
+    if not request.match:
+        return True
     try:
-        return all(_field_agrees(tlv, record) for tlv in request.match)
+        values = match_fields(record.match)
     except exceptions.InvalidInput:
         return False  # a record that cannot be shown is left out later anyway
+    return all(_field_agrees(tlv, values) for tlv in request.match)
 
 
-def _field_agrees(tlv: OxmTlv, record: FlowRecord) -> bool:
+def _field_agrees(tlv: OxmTlv, values: dict[str, int]) -> bool:
     name = FIELD_NAMES.get(tlv.field) if tlv.oxm_class == ofp13.OFPXMC_OPENFLOW_BASIC else None
-    value = dict(match_fields(match_items(record.match))).get(name) if name else None
+    value = values.get(name) if name else None
     if value is None:
         # The flow wildcards this field (FlowRecords carry no others), so it
         # is less specific than the request: not selected.

@@ -270,7 +270,7 @@ class Session:
             parts = self._table_parts()
         elif kind == "flow":
             selected = selection.select(decode_request(message), self._records())
-            parts = (encode_entry(record) for record in _valid(selected))
+            parts = _encoded(selected, encode_entry)
         else:
             selected = selection.select(decode_request(message), self._records())
             parts = [_aggregate_body(selected)]
@@ -318,6 +318,17 @@ def _valid(records: Iterable[FlowRecord]) -> Iterator[FlowRecord]:
             LOG.warning("OpenFlow stats: not showing %r: %s", record, exc)
             continue
         yield record
+
+
+def _encoded(
+    records: Iterable[FlowRecord], encode: Callable[[FlowRecord], bytes]
+) -> Iterator[bytes]:
+    """Each record's flow-stats entry; a bad record is logged and left out."""
+    for record in records:
+        try:
+            yield encode(record)
+        except exceptions.InvalidInput as exc:
+            LOG.warning("OpenFlow stats: not showing %r: %s", record, exc)
 
 
 def _aggregate_body(records: Iterable[FlowRecord]) -> bytes:

@@ -150,7 +150,11 @@ def test_experimenter_class_fields_are_kept_for_selection():
         (record(table_id=255), "table_id"),
         (record(packets=-1), "packets"),
         (record(duration_s=-1.0), "duration_s"),
-        (record(match={"in_port": [1]}), "unhashable"),
+        (record(duration_s=None), "duration_s"),
+        (record(packets=None), "packets"),
+        (record(priority=True), "priority"),
+        (record(out_port="2"), "out_port"),
+        (record(match={"in_port": [1]}), r"in_port: \[1\]"),
         (record(match={"in_port": "1"}), "in_port"),
     ],
 )
