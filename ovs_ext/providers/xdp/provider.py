@@ -20,11 +20,14 @@ endpoints, the fabric) attaches it, since the peer is in another namespace.
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import os
 import socket
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 from oslo_config import cfg
 
@@ -41,6 +44,7 @@ from ovs_ext.providers.base import (
 from ovs_ext.providers.xdp import bpffs, flowtable, libbpf
 
 LOG = logging.getLogger(__name__)
+T = TypeVar("T")
 BUILD_DIR = Path(__file__).parent / "build"
 ESWITCH_OBJECT = BUILD_DIR / "eswitch.bpf.o"
 RX_PASS_OBJECT = BUILD_DIR / "rx_pass.bpf.o"
@@ -89,6 +93,17 @@ PROG_PIN = "eswitch_prog"
 PER_ENTRY_ERRORS = (errno.E2BIG, errno.ENOMEM, errno.EEXIST, errno.EINVAL)
 
 
+def _serialized(method: Callable[..., T]) -> Callable[..., T]:
+    """One table operation at a time: the app's stats poller and its policy share us."""
+
+    @functools.wraps(method)
+    def locked(self: XdpProvider, *args: object, **kwargs: object) -> T:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
+
+
 class XdpProvider(base.OffloadProvider):
     CONFIG_OPTS = CONFIG_OPTS
     NAME = "xdp"
@@ -102,6 +117,7 @@ class XdpProvider(base.OffloadProvider):
         self._ports: dict[str, int] = {}  # attached ifname -> ifindex
         self._table: dict[bytes, int] = {}  # key -> out ifindex, mirrors the map
         self._matches: dict[bytes, FlowMatch] = {}
+        self._lock = threading.RLock()
 
     # -- availability and set-up ------------------------------------------
     def describe(self) -> ProviderDescription:
@@ -191,6 +207,7 @@ class XdpProvider(base.OffloadProvider):
         )
 
     # -- ports --------------------------------------------------------------
+    @_serialized
     def attach_port(self, ifname: str) -> None:
         fds = self._ready()
         try:
@@ -212,6 +229,7 @@ class XdpProvider(base.OffloadProvider):
             set_threaded_napi(ifname)
         self._ports[ifname] = ifindex
 
+    @_serialized
     def detach_port(self, ifname: str) -> None:
         fds = self._ready()
         ifindex = self._ports.get(ifname)
@@ -233,11 +251,13 @@ class XdpProvider(base.OffloadProvider):
                 ) from exc
         del self._ports[ifname]
 
+    @_serialized
     def attached_ports(self) -> dict[str, int]:
         self._ready()
         return dict(self._ports)
 
     # -- flows -----------------------------------------------------------------
+    @_serialized
     def install(self, entries: Iterable[OffloadEntry]) -> InstallResult:
         fds = self._ready()
         failed: dict[FlowMatch, str] = {}
@@ -316,6 +336,7 @@ class XdpProvider(base.OffloadProvider):
             start += done + 1
         return written
 
+    @_serialized
     def remove(self, matches: Iterable[FlowMatch]) -> dict[FlowMatch, FlowCounters]:
         self._ready()
         keys: list[bytes] = []
@@ -349,6 +370,7 @@ class XdpProvider(base.OffloadProvider):
         assert match is not None
         return match
 
+    @_serialized
     def stats(self) -> dict[FlowMatch, FlowCounters]:
         self._ready()
         try:
