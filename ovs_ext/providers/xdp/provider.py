@@ -379,17 +379,18 @@ class XdpProvider(base.OffloadProvider):
             raise OffloadError(
                 provider=self.NAME, action="read statistics", reason=str(exc)
             ) from exc
-        key_size = flowtable.KEY.size
-        names = {v: k for k, v in self._ports.items()}
-        result: dict[FlowMatch, FlowCounters] = {}
-        all_counters = flowtable.sum_all_counters(values_blob, count, self._cpus)
-        for i, counters in enumerate(all_counters):
-            key = keys_blob[i * key_size : (i + 1) * key_size]
-            match = self._matches.get(key) or flowtable.unpack_key(key, names)
-            if match is None:
-                continue  # its ingress port was detached under us
-            self._matches[key] = match
-            result[match] = counters
+        keys = flowtable.split_keys(keys_blob, count)
+        matches = list(map(self._matches.get, keys))
+        if None in matches:  # entries this process did not install (e.g. after a restart)
+            names = {v: k for k, v in self._ports.items()}
+            for i, (key, match) in enumerate(zip(keys, matches, strict=True)):
+                if match is None:
+                    matches[i] = flowtable.unpack_key(key, names)
+                    if matches[i] is not None:
+                        self._matches[key] = matches[i]
+        counters = flowtable.sum_all_counters(values_blob, count, self._cpus)
+        result = dict(zip(matches, counters, strict=True))
+        result.pop(None, None)  # type: ignore[call-overload]  # ingress port detached under us
         return result
 
 
