@@ -157,6 +157,9 @@ def get(lab: Lab, name: str) -> Endpoint:
 
 def add(lab: Lab, host_name: str, name: str, ip: str | None = None) -> Endpoint:
     """Create an endpoint on a host; all input is checked before anything is made."""
+    check_name(name)
+    if ip is not None:
+        check_ip(ip)
     host = lab.host(host_name)
     existing = list_endpoints(lab)
     if any(e.name == check_name(name) for e in existing):
