@@ -11,7 +11,7 @@ Both ends have ``tx off``: OVS's userspace datapath does not complete the
 checksums veth leaves to offload.  ``eth0`` and the host's fabric-side uplink
 peer get the eSwitch's XDP_PASS program so frames the XDP fast path redirects
 into a veth are received (a veth peer only has the ring for them while it has
-an XDP program).
+an XDP program), and ``eth0`` is polled by a threaded NAPI.
 """
 
 from __future__ import annotations
@@ -157,6 +157,9 @@ def get(lab: Lab, name: str) -> Endpoint:
 
 def add(lab: Lab, host_name: str, name: str, ip: str | None = None) -> Endpoint:
     """Create an endpoint on a host; all input is checked before anything is made."""
+    check_name(name)
+    if ip is not None:
+        check_ip(ip)
     host = lab.host(host_name)
     existing = list_endpoints(lab)
     if any(e.name == check_name(name) for e in existing):
@@ -193,6 +196,13 @@ def _plumb(spec: topology.HostSpec, endpoint: Endpoint) -> None:
         commands.run(["ip", "netns", "exec", ns, "ethtool", "-K", ifname, "tx", "off"])
         commands.run(["ip", "-n", ns, "link", "set", ifname, "up"])
     _attach_rx_pass(endpoint.netns, ENDPOINT_IF)
+    # Frames redirected to the endpoint are polled in a kernel thread, not in the
+    # sender's softirq, as a NIC queue's IRQ would land on another core.
+    commands.run(
+        ["ip", "netns", "exec", endpoint.netns, "tee", f"/sys/class/net/{ENDPOINT_IF}/threaded"],
+        input_text="1",
+        check=False,  # best effort: polling in softirq still works, just slower
+    )
 
 
 def prepare_uplink(spec: topology.HostSpec) -> None:

@@ -41,3 +41,21 @@ def test_next_free_address_skips_used_ones_and_says_when_none_is_left():
     everything = {endpoints.endpoint_ip(i) for i in range(endpoints.MAX_ENDPOINTS)}
     with pytest.raises(exceptions.InvalidInput, match="in use"):
         endpoints.next_free_ip(everything)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["lab", "endpoint", "add", "--host", "A", "Bad"], "Invalid endpoint name"),
+        (["lab", "endpoint", "add", "--host", "A", "ok", "--ip", "10.251.0.5"], "endpoint address"),
+    ],
+)
+def test_cli_rejects_bad_input_before_touching_the_lab(
+    argv, message, capsys, tmp_path, monkeypatch
+):
+    from flexmig import cli
+
+    monkeypatch.setenv("FLEXMIG_LAB_DIR", str(tmp_path / "no-lab"))
+    assert cli.main(argv) == 1
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "no-lab").exists()

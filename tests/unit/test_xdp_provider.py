@@ -17,7 +17,7 @@ import pytest
 from oslo_config import cfg
 
 from ovs_ext.providers.base import FlowCounters, FlowMatch, OffloadEntry, OffloadError
-from ovs_ext.providers.xdp import bpffs, flowtable, libbpf
+from ovs_ext.providers.xdp import bpffs, flowtable, libbpf, privileged
 from ovs_ext.providers.xdp import provider as xdp
 
 
@@ -69,7 +69,7 @@ class FakeKernel:
         self.entries: dict[bytes, bytes] = {}
         self.calls = 0
 
-    def update_batch(self, fd, keys_blob, values_blob, count):
+    def write_flows(self, pin_dir, keys_blob, values_blob, count):
         self.calls += 1
         size = flowtable.KEY.size
         value_size = len(values_blob) // count
@@ -88,8 +88,7 @@ def provider(monkeypatch):
     conf = cfg.ConfigOpts()
     p = xdp.XdpProvider(conf)
     conf([])
-    p._fds = {xdp.FLOWS_PIN: 3, xdp.PORTS_PIN: 4, xdp.PROG_PIN: 5}
-    p._cpus = 2
+    p._cpus = 2  # as if loaded: 2 possible CPUs
     p._ports = {"tap1": 11, "tap2": 12, "phy0": 2}
     return p
 
@@ -100,7 +99,7 @@ def _entry(sport: int, out: str = "tap2", in_port: str = "tap1") -> OffloadEntry
 
 def test_install_is_one_batch_and_names_every_refusal(provider, monkeypatch):
     kernel = FakeKernel(capacity=1000)
-    monkeypatch.setattr(libbpf, "update_batch", kernel.update_batch)
+    monkeypatch.setattr(privileged, "write_flows", kernel.write_flows)
     entries = [_entry(p) for p in range(1, 101)]
     bad = [
         _entry(200, out="tap9"),  # not attached
@@ -120,7 +119,7 @@ def test_refused_entry_fails_alone_and_the_batch_goes_on(provider, monkeypatch):
     refused = _entry(50)
     key = flowtable.pack_key(refused.match, 11)
     kernel = FakeKernel(capacity=1000, refuse={key: errno.ENOMEM})
-    monkeypatch.setattr(libbpf, "update_batch", kernel.update_batch)
+    monkeypatch.setattr(privileged, "write_flows", kernel.write_flows)
     result = provider.install([_entry(p) for p in range(1, 101)])
     assert len(result.installed) == 99
     assert list(result.failed) == [refused.match]
@@ -130,7 +129,7 @@ def test_refused_entry_fails_alone_and_the_batch_goes_on(provider, monkeypatch):
 
 def test_full_table_fails_the_overflow_with_the_capacity(provider, monkeypatch):
     kernel = FakeKernel(capacity=10_000)
-    monkeypatch.setattr(libbpf, "update_batch", kernel.update_batch)
+    monkeypatch.setattr(privileged, "write_flows", kernel.write_flows)
     provider.conf.set_override("capacity", 60, group="offload_xdp")
     result = provider.install([_entry(p) for p in range(1, 101)])
     assert len(result.installed) == 60
@@ -140,7 +139,7 @@ def test_full_table_fails_the_overflow_with_the_capacity(provider, monkeypatch):
 
 def test_reinstall_is_idempotent_but_a_new_egress_is_refused(provider, monkeypatch):
     kernel = FakeKernel(capacity=100)
-    monkeypatch.setattr(libbpf, "update_batch", kernel.update_batch)
+    monkeypatch.setattr(privileged, "write_flows", kernel.write_flows)
     assert provider.install([_entry(7)]).failed == {}
     again = provider.install([_entry(7)])
     assert again.installed == (_entry(7).match,) and kernel.calls == 1
@@ -149,7 +148,7 @@ def test_reinstall_is_idempotent_but_a_new_egress_is_refused(provider, monkeypat
 
 
 def test_a_call_level_kernel_error_fails_the_rest_of_the_batch(provider, monkeypatch):
-    monkeypatch.setattr(libbpf, "update_batch", lambda *a: (3, errno.EFAULT))
+    monkeypatch.setattr(privileged, "write_flows", lambda *a: (3, errno.EFAULT))
     result = provider.install([_entry(p) for p in range(1, 11)])
     assert len(result.installed) == 3 and len(result.failed) == 7
 
@@ -184,6 +183,8 @@ def test_load_failure_is_an_offload_error_naming_the_step(monkeypatch, tmp_path)
     p = xdp.XdpProvider(conf)
     conf([])
     conf.set_override("bpffs_dir", str(tmp_path / "pins"), group="offload_xdp")
+    conf.set_override("privsep", "inline", group="offload_xdp")
+    monkeypatch.setattr(privileged.eswitch, "client_mode", True)  # restored after the test
 
     def no_bpffs(_dir):
         raise libbpf.BpfError(call="mount", reason="Operation not permitted")
@@ -191,3 +192,22 @@ def test_load_failure_is_an_offload_error_naming_the_step(monkeypatch, tmp_path)
     monkeypatch.setattr(bpffs, "ensure", no_bpffs)
     with pytest.raises(OffloadError, match="could not load the eSwitch: .*not permitted"):
         p.stats()
+
+
+def test_privileged_side_keeps_only_what_xdp_needs():
+    from oslo_privsep import capabilities as caps
+
+    wanted = {caps.CAP_SYS_ADMIN, caps.CAP_NET_ADMIN, caps.CAP_BPF}
+    assert set(cfg.CONF.offload_xdp_privsep.capabilities) == wanted
+    for name in ("load_eswitch", "attach_port", "detach_port", "write_flows", "read_flows"):
+        assert privileged.eswitch.is_entrypoint(getattr(privileged, name))
+
+
+def test_a_broken_privileged_channel_fails_the_batch_with_the_reason(provider, monkeypatch):
+    def broken(*_args):
+        raise OSError(32, "Broken pipe")
+
+    monkeypatch.setattr(privileged, "write_flows", broken)
+    result = provider.install([_entry(p) for p in range(1, 4)])
+    assert result.installed == ()
+    assert all("flow table write failed" in r for r in result.failed.values())

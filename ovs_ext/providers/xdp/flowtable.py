@@ -8,9 +8,10 @@ to 8 bytes; :func:`sum_counters` folds them.
 
 from __future__ import annotations
 
+import operator
 import socket
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 from ovs_ext.providers.base import FlowCounters, FlowMatch
 
@@ -40,6 +41,11 @@ def pack_key(match: FlowMatch, in_ifindex: int) -> bytes:
     )
 
 
+# in_ifindex, saddr, daddr, sport, dport, proto: ports read big-endian directly.
+_KEY_FIELDS = struct.Struct("=I4s4s")
+_KEY_PORTS = struct.Struct("!HHB")
+
+
 def unpack_key(raw: bytes, ifname_of: dict[int, str]) -> FlowMatch | None:
     """The match of a key, or None when its ingress port is no longer known.
 
@@ -51,21 +57,27 @@ def unpack_key(raw: bytes, ifname_of: dict[int, str]) -> FlowMatch | None:
     FlowMatch(in_port='veth0', ip_proto=17, ipv4_src='10.0.0.1', ipv4_dst='10.0.0.2', \
 tp_src=1000, tp_dst=53)
     """
-    in_ifindex, src, dst, sport, dport, proto = KEY.unpack(raw)
+    in_ifindex, src, dst = _KEY_FIELDS.unpack_from(raw)
     in_port = ifname_of.get(in_ifindex)
     if in_port is None:
         return None
+    sport, dport, proto = _KEY_PORTS.unpack_from(raw, _KEY_FIELDS.size)
     match = object.__new__(FlowMatch)
-    for field, value in (
-        ("in_port", in_port),
-        ("ip_proto", proto),
-        ("ipv4_src", socket.inet_ntoa(src)),
-        ("ipv4_dst", socket.inet_ntoa(dst)),
-        ("tp_src", int.from_bytes(sport, "big")),
-        ("tp_dst", int.from_bytes(dport, "big")),
-    ):
-        object.__setattr__(match, field, value)  # frozen dataclass: the only way in
+    # A frozen dataclass refuses setattr, not its __dict__: one update, no validation.
+    match.__dict__.update(
+        in_port=in_port,
+        ip_proto=proto,
+        ipv4_src=socket.inet_ntoa(src),
+        ipv4_dst=socket.inet_ntoa(dst),
+        tp_src=sport,
+        tp_dst=dport,
+    )
     return match
+
+
+def split_keys(blob: bytes, count: int) -> list[bytes]:
+    size = KEY.size
+    return [blob[i : i + size] for i in range(0, count * size, size)]
 
 
 def percpu_value_size(cpus: int) -> int:
@@ -89,22 +101,24 @@ def sum_counters(value: bytes, cpus: int) -> FlowCounters:
     >>> sum_counters(v, 2)
     FlowCounters(packets=15, bytes=1500)
     """
-    return next(iter(sum_all_counters(value, 1, cpus)))
+    return sum_all_counters(value, 1, cpus)[0]
 
 
-def sum_all_counters(values: bytes, count: int, cpus: int) -> Iterator[FlowCounters]:
-    """Fold a batch of ``count`` per-CPU values, in order (one pass, no copies).
+def sum_all_counters(values: bytes, count: int, cpus: int) -> list[FlowCounters]:
+    """Fold a batch of ``count`` per-CPU values, in order (strided views, no loop per entry).
 
     >>> v = ACTION.pack(3, 0, 1, 60) * 2 + ACTION.pack(4, 0, 2, 120) * 2
-    >>> list(sum_all_counters(v, 2, 2))
+    >>> sum_all_counters(v, 2, 2)
     [FlowCounters(packets=2, bytes=120), FlowCounters(packets=4, bytes=240)]
     """
-    words = memoryview(values).cast("Q")  # ACTION is three 8-byte words
+    words = memoryview(values).cast("Q")[: count * 3 * cpus]  # ACTION: three 8-byte words
     stride = 3 * cpus
-    for base in range(0, count * stride, stride):
-        yield FlowCounters(
-            sum(words[base + 1 : base + stride : 3]), sum(words[base + 2 : base + stride : 3])
-        )
+    packets: list[int] = words[1::stride].tolist()
+    total_bytes: list[int] = words[2::stride].tolist()
+    for cpu in range(1, cpus):
+        packets = list(map(operator.add, packets, words[3 * cpu + 1 :: stride].tolist()))
+        total_bytes = list(map(operator.add, total_bytes, words[3 * cpu + 2 :: stride].tolist()))
+    return list(map(FlowCounters, packets, total_bytes))
 
 
 def split_records(blob: bytes, size: int, count: int) -> list[bytes]:

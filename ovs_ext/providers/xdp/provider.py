@@ -6,6 +6,10 @@ device-map entries are per network namespace and pins are per bpffs.  All
 state lives in pinned maps, so a restarted provider picks up the flows and
 ports it left (its in-memory indexes are rebuilt from the maps).
 
+Kernel access (bpffs mount, load, attach, map reads and writes) is the
+provider's privileged side, ``privileged.py``, run by an oslo.privsep daemon
+that holds only CAP_SYS_ADMIN, CAP_NET_ADMIN and CAP_BPF.
+
 Writes are batched: ``install`` writes a whole batch with one
 ``BPF_MAP_UPDATE_BATCH`` (continuing past a refused entry), ``stats`` reads
 the table with ``BPF_MAP_LOOKUP_BATCH``.  ``remove`` uses lookup-and-delete
@@ -20,10 +24,13 @@ endpoints, the fabric) attaches it, since the peer is in another namespace.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import socket
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TypeVar
 
 from oslo_config import cfg
 
@@ -37,8 +44,9 @@ from ovs_ext.providers.base import (
     OffloadError,
     ProviderDescription,
 )
-from ovs_ext.providers.xdp import bpffs, flowtable, libbpf
+from ovs_ext.providers.xdp import bpffs, flowtable, libbpf, privileged
 
+T = TypeVar("T")
 BUILD_DIR = Path(__file__).parent / "build"
 ESWITCH_OBJECT = BUILD_DIR / "eswitch.bpf.o"
 RX_PASS_OBJECT = BUILD_DIR / "rx_pass.bpf.o"
@@ -65,6 +73,25 @@ CONFIG_OPTS = [
         help="Directory on a bpffs where the eSwitch's maps and program are pinned; "
         "a bpffs is mounted on its parent if none is there.",
     ),
+    cfg.BoolOpt(
+        "threaded_napi",
+        default=True,
+        help="Run each attached port's NAPI poll (where the eSwitch program runs) in its "
+        "own kernel thread, so the scheduler can put the forwarding on another core than the "
+        "process that sent the packet; without it a veth sender pays for the fast path too. "
+        "Native mode only.",
+    ),
+    cfg.StrOpt(
+        "privsep",
+        default="fork",
+        choices=[
+            ("fork", "fork a privsep daemon holding only CAP_SYS_ADMIN/NET_ADMIN/BPF (as root)"),
+            ("helper", "start it with [offload_xdp_privsep] helper_command (e.g. sudo)"),
+            ("inline", "no daemon: this process does it (one-shot root tools, tests)"),
+        ],
+        help="Where loading, attaching and map access run: the privileged side of the "
+        "provider, through oslo.privsep.",
+    ),
     cfg.StrOpt(
         "bpf_object",
         default=str(ESWITCH_OBJECT),
@@ -72,11 +99,19 @@ CONFIG_OPTS = [
     ),
 ]
 
-FLOWS_PIN = "flows"
-PORTS_PIN = "tx_ports"
-PROG_PIN = "eswitch_prog"
 # Errors the kernel gives for one entry of a batch (the others may still fit).
 PER_ENTRY_ERRORS = (errno.E2BIG, errno.ENOMEM, errno.EEXIST, errno.EINVAL)
+
+
+def _serialized(method: Callable[..., T]) -> Callable[..., T]:
+    """One table operation at a time: the app's stats poller and its policy share us."""
+
+    @functools.wraps(method)
+    def locked(self: XdpProvider, *args: object, **kwargs: object) -> T:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return locked
 
 
 class XdpProvider(base.OffloadProvider):
@@ -87,11 +122,11 @@ class XdpProvider(base.OffloadProvider):
         super().__init__(conf)
         conf.register_opts(CONFIG_OPTS, group="offload_xdp")
         self.opts = conf.offload_xdp
-        self._fds: dict[str, int] | None = None
         self._cpus = 0
         self._ports: dict[str, int] = {}  # attached ifname -> ifindex
         self._table: dict[bytes, int] = {}  # key -> out ifindex, mirrors the map
         self._matches: dict[bytes, FlowMatch] = {}
+        self._lock = threading.RLock()
 
     # -- availability and set-up ------------------------------------------
     def describe(self) -> ProviderDescription:
@@ -122,86 +157,62 @@ class XdpProvider(base.OffloadProvider):
             return f"no bpffs at {self.opts.bpffs_dir} and no {mount_root} to mount one on"
         return ""
 
-    def _pin(self, name: str) -> str:
-        return os.path.join(self.opts.bpffs_dir, name)
-
-    def _ready(self) -> dict[str, int]:
-        """Fds of the pinned maps and program, loading the eSwitch on first use."""
-        if self._fds is not None:
-            return self._fds
+    def _ready(self) -> str:
+        """The pin directory, once the eSwitch is loaded (on first use)."""
+        if self._cpus:
+            return self.opts.bpffs_dir
         try:
-            bpffs.ensure(self.opts.bpffs_dir)
-            if not os.path.exists(self._pin(PROG_PIN)):
-                libbpf.load_object(
-                    self.opts.bpf_object,
-                    max_entries={FLOWS_PIN: self.opts.capacity},
-                    pins={FLOWS_PIN: self._pin(FLOWS_PIN), PORTS_PIN: self._pin(PORTS_PIN)},
-                    program="eswitch",
-                    prog_pin=self._pin(PROG_PIN),
-                )
-            fds = {
-                name: libbpf.obj_get(self._pin(name)) for name in (FLOWS_PIN, PORTS_PIN, PROG_PIN)
-            }
-            self._cpus = libbpf.possible_cpus()
-        except Exception as exc:
+            privileged.start(self.opts.privsep)
+            self._cpus = privileged.load_eswitch(
+                self.opts.bpffs_dir, self.opts.bpf_object, self.opts.capacity
+            )
+            self._rebuild_indexes()
+        except Exception as exc:  # privsep, libbpf, mount alike: the step failed
+            self._cpus = 0
             raise OffloadError(
                 provider=self.NAME, action="load the eSwitch", reason=str(exc)
             ) from exc
-        self._fds = fds
-        self._rebuild_indexes()
-        return fds
+        return self.opts.bpffs_dir
 
     def _rebuild_indexes(self) -> None:
         """Ports and flows from the pinned maps (a restart must not forget them)."""
-        assert self._fds is not None
         self._ports = {}
-        for raw in libbpf.keys(self._fds[PORTS_PIN], flowtable.PORT.size):
-            ifindex = flowtable.PORT.unpack(raw)[0]
+        for ifindex in privileged.port_ifindexes(self.opts.bpffs_dir):
             try:
                 self._ports[socket.if_indextoname(ifindex)] = ifindex
             except OSError:
-                libbpf.delete_elem(self._fds[PORTS_PIN], raw)  # its port is gone
+                continue  # vanished since the daemon looked: the next rebuild drops it
         keys_blob, values_blob, count = self._read_table()
-        key_size, value_size = flowtable.KEY.size, flowtable.percpu_value_size(self._cpus)
+        value_size = flowtable.percpu_value_size(self._cpus)
         self._table = {
-            keys_blob[i * key_size : (i + 1) * key_size]: flowtable.out_ifindex(
-                values_blob[i * value_size : (i + 1) * value_size]
-            )
-            for i in range(count)
+            key: flowtable.out_ifindex(values_blob[i * value_size : (i + 1) * value_size])
+            for i, key in enumerate(flowtable.split_keys(keys_blob, count))
         }
         self._matches = {}
 
     def _read_table(self) -> tuple[bytes, bytes, int]:
-        assert self._fds is not None
-        return libbpf.lookup_all(
-            self._fds[FLOWS_PIN],
-            flowtable.KEY.size,
-            flowtable.percpu_value_size(self._cpus),
-            self.opts.capacity,
+        return privileged.read_flows(
+            self.opts.bpffs_dir, flowtable.percpu_value_size(self._cpus), self.opts.capacity
         )
 
     # -- ports --------------------------------------------------------------
+    @_serialized
     def attach_port(self, ifname: str) -> None:
-        fds = self._ready()
+        pin_dir = self._ready()
+        threaded = self.opts.threaded_napi and self.opts.attach_mode == "native"
         try:
-            ifindex = socket.if_nametoindex(ifname)
+            ifindex = privileged.attach_port(
+                pin_dir, ifname, MODE_FLAGS[self.opts.attach_mode], threaded
+            )
         except OSError as exc:
             raise OffloadError(
-                provider=self.NAME, action=f"attach port {ifname}", reason="no such interface"
-            ) from exc
-        port_key = flowtable.PORT.pack(ifindex)
-        try:
-            libbpf.update_elem(fds[PORTS_PIN], port_key, port_key)
-            libbpf.xdp_attach(ifindex, fds[PROG_PIN], MODE_FLAGS[self.opts.attach_mode])
-        except libbpf.BpfError as exc:
-            libbpf.delete_elem(fds[PORTS_PIN], port_key)
-            raise OffloadError(
-                provider=self.NAME, action=f"attach port {ifname}", reason=str(exc)
+                provider=self.NAME, action=f"attach port {ifname}", reason=exc.strerror or str(exc)
             ) from exc
         self._ports[ifname] = ifindex
 
+    @_serialized
     def detach_port(self, ifname: str) -> None:
-        fds = self._ready()
+        pin_dir = self._ready()
         ifindex = self._ports.get(ifname)
         if ifindex is None:
             return
@@ -212,22 +223,22 @@ class XdpProvider(base.OffloadProvider):
         ]
         self._remove_keys(using)
         try:
-            libbpf.delete_elem(fds[PORTS_PIN], flowtable.PORT.pack(ifindex))
-            libbpf.xdp_detach(ifindex, MODE_FLAGS[self.opts.attach_mode])
-        except libbpf.BpfError as exc:
-            if exc.errno != errno.ENODEV:  # the port vanished: nothing to detach
-                raise OffloadError(
-                    provider=self.NAME, action=f"detach port {ifname}", reason=str(exc)
-                ) from exc
+            privileged.detach_port(pin_dir, ifindex, MODE_FLAGS[self.opts.attach_mode])
+        except OSError as exc:
+            raise OffloadError(
+                provider=self.NAME, action=f"detach port {ifname}", reason=str(exc)
+            ) from exc
         del self._ports[ifname]
 
+    @_serialized
     def attached_ports(self) -> dict[str, int]:
         self._ready()
         return dict(self._ports)
 
     # -- flows -----------------------------------------------------------------
+    @_serialized
     def install(self, entries: Iterable[OffloadEntry]) -> InstallResult:
-        fds = self._ready()
+        pin_dir = self._ready()
         failed: dict[FlowMatch, str] = {}
         installed: list[FlowMatch] = []
         batch: list[tuple[FlowMatch, bytes, int]] = []
@@ -246,7 +257,7 @@ class XdpProvider(base.OffloadProvider):
                 failed[entry.match] = f"offload table full (capacity {self.opts.capacity})"
             else:
                 batch.append((entry.match, *verdict))
-        installed += self._write_batch(fds[FLOWS_PIN], batch, failed)
+        installed += self._write_batch(pin_dir, batch, failed)
         return InstallResult(installed=tuple(installed), failed=failed)
 
     def _plan_entry(self, entry: OffloadEntry) -> str | tuple[bytes, int] | None:
@@ -271,7 +282,7 @@ class XdpProvider(base.OffloadProvider):
         return f"already offloaded to another port (ifindex {current}); remove it first"
 
     def _write_batch(
-        self, flows_fd: int, batch: list[tuple[FlowMatch, bytes, int]], failed: dict
+        self, pin_dir: str, batch: list[tuple[FlowMatch, bytes, int]], failed: dict
     ) -> list[FlowMatch]:
         """One BPF_MAP_UPDATE_BATCH per run of accepted entries.
 
@@ -285,7 +296,11 @@ class XdpProvider(base.OffloadProvider):
             rest = batch[start:]
             keys = b"".join(key for _, key, _ in rest)
             values = b"".join(flowtable.pack_new_action(out, self._cpus) for _, _, out in rest)
-            done, err = libbpf.update_batch(flows_fd, keys, values, len(rest))
+            try:
+                done, err = privileged.write_flows(pin_dir, keys, values, len(rest))
+            except OSError as exc:  # the channel or the map, not one entry
+                failed.update((match, f"flow table write failed: {exc}") for match, _, _ in rest)
+                break
             for match, key, out in rest[:done]:
                 self._table[key] = out
                 self._matches[key] = match
@@ -304,6 +319,7 @@ class XdpProvider(base.OffloadProvider):
             start += done + 1
         return written
 
+    @_serialized
     def remove(self, matches: Iterable[FlowMatch]) -> dict[FlowMatch, FlowCounters]:
         self._ready()
         keys: list[bytes] = []
@@ -315,19 +331,18 @@ class XdpProvider(base.OffloadProvider):
         return {self._match_of(key): counters for key, counters in removed.items()}
 
     def _remove_keys(self, keys: list[bytes]) -> dict[bytes, FlowCounters]:
-        assert self._fds is not None
         value_size = flowtable.percpu_value_size(self._cpus)
-        removed: dict[bytes, FlowCounters] = {}
         try:
-            for key in keys:
-                value = libbpf.lookup_and_delete_elem(self._fds[FLOWS_PIN], key, value_size)
-                if value is not None:
-                    removed[key] = flowtable.sum_counters(value, self._cpus)
-        except libbpf.BpfError as exc:
+            values = privileged.take_flows(self.opts.bpffs_dir, keys, value_size)
+        except OSError as exc:
             raise OffloadError(provider=self.NAME, action="remove flows", reason=str(exc)) from exc
-        finally:
-            for key in removed:
-                self._table.pop(key, None)
+        removed = {
+            key: flowtable.sum_counters(value, self._cpus)
+            for key, value in zip(keys, values, strict=True)
+            if value is not None
+        }
+        for key in removed:
+            self._table.pop(key, None)
         return removed
 
     def _match_of(self, key: bytes) -> FlowMatch:
@@ -337,25 +352,27 @@ class XdpProvider(base.OffloadProvider):
         assert match is not None
         return match
 
+    @_serialized
     def stats(self) -> dict[FlowMatch, FlowCounters]:
         self._ready()
         try:
             keys_blob, values_blob, count = self._read_table()
-        except libbpf.BpfError as exc:
+        except OSError as exc:
             raise OffloadError(
                 provider=self.NAME, action="read statistics", reason=str(exc)
             ) from exc
-        key_size = flowtable.KEY.size
-        names = {v: k for k, v in self._ports.items()}
-        result: dict[FlowMatch, FlowCounters] = {}
-        all_counters = flowtable.sum_all_counters(values_blob, count, self._cpus)
-        for i, counters in enumerate(all_counters):
-            key = keys_blob[i * key_size : (i + 1) * key_size]
-            match = self._matches.get(key) or flowtable.unpack_key(key, names)
-            if match is None:
-                continue  # its ingress port was detached under us
-            self._matches[key] = match
-            result[match] = counters
+        keys = flowtable.split_keys(keys_blob, count)
+        matches = list(map(self._matches.get, keys))
+        if None in matches:  # entries this process did not install (e.g. after a restart)
+            names = {v: k for k, v in self._ports.items()}
+            for i, (key, match) in enumerate(zip(keys, matches, strict=True)):
+                if match is None:
+                    matches[i] = flowtable.unpack_key(key, names)
+                    if matches[i] is not None:
+                        self._matches[key] = matches[i]
+        counters = flowtable.sum_all_counters(values_blob, count, self._cpus)
+        result = dict(zip(matches, counters, strict=True))
+        result.pop(None, None)  # type: ignore[call-overload]  # ingress port detached under us
         return result
 
 
