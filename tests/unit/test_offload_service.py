@@ -69,3 +69,22 @@ def test_stale_provider_entries_are_cleared_at_start():
     provider.entries[stale] = FlowCounters(5, 500)
     assert service.clear_stale_entries(provider, "fake") == 1
     assert provider.entries == {}
+
+
+def test_the_lab_config_is_valid_for_the_service(tmp_path):
+    from oslo_config import cfg
+
+    from flexmig.lab import offload as lab_offload
+
+    path = tmp_path / "offload.conf"
+    extra = "[offload_xdp]\ncapacity = 16\n\n"
+    path.write_text(lab_offload.offload_conf("xdp", "/p.yaml", 0.05, extra))
+    conf = cfg.ConfigOpts()
+    config.register_opts(conf)
+    conf(["--config-file", str(path)], project="flexmig")
+    config.validate(conf)
+    opts = conf.offload
+    assert (opts.provider, opts.policy_file, opts.bridge) == ("xdp", "/p.yaml", "br-int")
+    assert (opts.poll_interval, opts.ovs_revalidator_ms, opts.uplinks) == (0.05, 100, ["phy0"])
+    assert opts.stats_endpoint.endswith("/br-int-offload.mgmt")
+    assert opts.status_file == lab_offload.STATUS_FILE
