@@ -595,7 +595,8 @@ def _stream_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
 def _scale_table(s: dict) -> list[str]:
     return [
         "",
-        f"## (c) {s['flows']:,} offloaded flows (inside host A, provider in-process)",
+        f"## (c) {s['flows']:,} offloaded flows (inside host A: XdpProvider and its "
+        "oslo.privsep daemon, as the os-ken app runs it)",
         "",
         "| step | result |",
         "|---|---|",
