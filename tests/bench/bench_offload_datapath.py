@@ -1,7 +1,7 @@
 """The XDP eSwitch fast path against OVS's userspace datapath, in one run.
 
     .venv/bin/python -m tests.bench.bench_offload_datapath [--out FILE] [--duration S]
-        [--streams 1,2,4,8] [--flows 100000] [--senders 2] [--rounds 3]
+        [--streams 1,2,4,8] [--flows 100000] [--senders 2] [--rounds 3] [--udp-mbps 100]
 
 (a) packets/s, endpoint a1 -> a2 on host A, 64-byte frames from udpgen --raw
     (one sender process per core: a single one is what runs out of CPU first):
@@ -41,6 +41,7 @@ UDP_PAYLOAD = 1472
 TCP, UDP = 6, 17
 DEFAULT_OUT = Path("docs/benchmarks/offload-datapath.md")
 RX_SINK_OBJECT = BUILD_DIR / "rx_sink.bpf.o"
+NAPI_HELPER = Path(__file__).resolve().parent / "napi_threads.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,52 +100,36 @@ def _softirq_s() -> float:
     return int(cpu[7]) / 100.0
 
 
-def _napi_threads(devices: set[str]) -> list[int]:
-    """Threaded-NAPI kthreads ("napi/<dev>-<id>") of the given devices.
-
-    With threaded NAPI the fast path runs there, charged as system time of the
-    kthread, not as softirq: leaving them out would hide the eSwitch's cost.
-    Kthreads carry no namespace, so another lab's device of the same name is
-    counted too: an over-count, against the offload figures.
-    """
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            comm = (proc / "comm").read_text().strip() if proc.name.isdigit() else ""
-        except OSError:
-            continue
-        if comm.startswith("napi/") and any(_napi_of(comm[5:], dev) for dev in devices):
-            pids.append(int(proc.name))
-    return pids
-
-
-def _napi_of(name: str, device: str) -> bool:
-    """Whether a kthread name (after "napi/", cut to 15 bytes in all) is the device's.
-
-    >>> _napi_of("ep-a1-8195", "ep-a1"), _napi_of("ep-a10-8195", "ep-a1")
-    (True, False)
-    """
-    if name.startswith(device + "-"):
-        return True
-    return len(name) == 10 and (device + "-").startswith(name)  # TASK_COMM_LEN cut it
+def napi_threads(netns: str, ifnames: list[str]) -> list[int]:
+    """PIDs of the NAPI kthreads of interfaces in a namespace (see napi_threads.py)."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", netns, sys.executable, str(NAPI_HELPER), *ifnames],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    return [pid for pids in json.loads(out).values() for pid in pids]
 
 
 class CpuMeter:
     """Host CPU of a switch path, in % of one core.
 
     Host: ovs-vswitchd of the given hosts, the machine's softirq time, and
-    the NAPI kthreads of the hosts' ports (``devices``: br-int ports, phy0)
-    where the eSwitch runs.  Apart, as the guests' own: the NAPI kthreads of
-    the endpoints' ``eth0`` (their receive stacks, a VM's vCPU work).
+    the NAPI kthreads of the hosts' ports (``port_threads``) where the
+    eSwitch runs.  Apart, as the guests' own: the endpoints' eth0 NAPI
+    kthreads (``guest_threads``, their receive stacks: a VM's vCPU work).
+    Threads are named by the kernel per interface (napi_threads.py), so
+    another lab's busy ports are never counted as ours.
     """
 
-    def __init__(self, hosts: list[LabHost], devices: set[str]) -> None:
+    def __init__(
+        self, hosts: list[LabHost], port_threads: list[int], guest_threads: list[int]
+    ) -> None:
         self.pids = [_outer_pid(h, "/run/openvswitch/ovs-vswitchd.pid") for h in hosts]
-        self.devices = devices - {endpoints.ENDPOINT_IF}
+        self.napi_pids, self.guest_pids = port_threads, guest_threads
 
     def __enter__(self) -> CpuMeter:
-        self.napi_pids = _napi_threads(self.devices)
-        self.guest_pids = _napi_threads({endpoints.ENDPOINT_IF})
         self.t0, self.ovs0, self.irq0 = time.monotonic(), self._ovs(), _softirq_s()
         self.napi0, self.guest0 = _cpu_of(self.napi_pids), _cpu_of(self.guest_pids)
         return self
@@ -153,8 +138,8 @@ class CpuMeter:
         wall = time.monotonic() - self.t0
         self.ovs_pct = 100 * (self._ovs() - self.ovs0) / wall
         self.softirq_pct = 100 * (_softirq_s() - self.irq0) / wall
-        self.napi_pct = 100 * (_cpu_of(self.napi_pids) - self.napi0) / wall
-        self.guest_napi_pct = 100 * (_cpu_of(self.guest_pids) - self.guest0) / wall
+        self.napi_pct = 100 * _delta(self.napi0, _cpu_of(self.napi_pids)) / wall
+        self.guest_napi_pct = 100 * _delta(self.guest0, _cpu_of(self.guest_pids)) / wall
 
     @property
     def host_pct(self) -> float:
@@ -164,14 +149,24 @@ class CpuMeter:
         return sum(_proc_cpu_s(p) for p in self.pids)
 
 
-def _cpu_of(pids: list[int]) -> float:
-    total = 0.0
+def _guest_threads(eps: list[endpoints.Endpoint]) -> list[int]:
+    return [pid for ep in eps for pid in napi_threads(ep.netns, [endpoints.ENDPOINT_IF])]
+
+
+def _cpu_of(pids: list[int]) -> dict[int, float]:
+    """CPU seconds so far of each thread still alive."""
+    seconds = {}
     for pid in pids:
         try:
-            total += _proc_cpu_s(pid)
+            seconds[pid] = _proc_cpu_s(pid)
         except OSError:
-            pass  # the device went away; its time so far is lost, not invented
-    return total
+            pass  # gone (its device was deleted)
+    return seconds
+
+
+def _delta(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU used in between by the threads alive at both ends (never negative)."""
+    return sum(after[pid] - before[pid] for pid in before.keys() & after.keys())
 
 
 # -- (a) packet rate ----------------------------------------------------------------
@@ -247,7 +242,11 @@ def packet_rate(
         xdp.attach(*ports)
     if mode == "offloaded":
         offload_flows(lab, placements)
-    meter = CpuMeter([lab.host("A")], {src.port, dst.port})
+    meter = CpuMeter(
+        [lab.host("A")],
+        napi_threads(lab.host("A").spec.netns, [src.port, dst.port]),
+        _guest_threads([src, dst]),
+    )
     try:
         if sink == "xdp":
             with XdpSink(dst) as counter:
@@ -313,8 +312,8 @@ def stream_placements(senders, receivers, proto: str) -> list[Placement]:
     return out
 
 
-def run_udp_streams(senders, receivers, duration: float) -> float:
-    """Aggregate received Gbit/s of unpaced MTU-sized UDP streams."""
+def run_udp_streams(senders, receivers, duration: float, mbps_each: float = 0) -> float:
+    """Aggregate received Gbit/s of MTU-sized UDP streams (paced if ``mbps_each``)."""
     rx = [
         traffic.Receiver(endpoints.exec_prefix(r), 9000 + i, duration=duration + 10)
         for i, r in enumerate(receivers)
@@ -324,6 +323,8 @@ def run_udp_streams(senders, receivers, duration: float) -> float:
         cmd = [*endpoints.exec_prefix(s), str(traffic.UDPGEN), "send", "--dst", r.ip]
         cmd += ["--port", str(9000 + i), "--sport", str(20000 + i), "--size", str(UDP_PAYLOAD)]
         cmd += ["--duration", str(duration)]
+        if mbps_each:
+            cmd += ["--rate", str(int(mbps_each * 1e6 / 8 / UDP_PAYLOAD)), "--batch", "8"]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
     for p in procs:
         p.wait(timeout=duration + 30)
@@ -355,8 +356,13 @@ def run_tcp_streams(senders, receivers, duration: float) -> float:
     return total / 1e9
 
 
-def stream_row(lab: Lab, senders, receivers, proto: str, duration: float, offload: bool) -> dict:
-    """One measurement: N streams, plain OVS or offloaded; eSwitch attached only for the latter."""
+def stream_row(
+    lab: Lab, senders, receivers, proto: str, args: argparse.Namespace, offload: bool
+) -> dict:
+    """One measurement: N streams, plain OVS or offloaded; eSwitch attached only for the latter.
+
+    proto: ``udp`` (unpaced), ``udp-paced`` (``args.udp_mbps`` per stream), ``tcp``.
+    """
     a, b = lab.host("A"), lab.host("B")
     xdp_a, xdp_b = HostXdp(a), HostXdp(b)
     placements = stream_placements(senders, receivers, proto)
@@ -365,11 +371,15 @@ def stream_row(lab: Lab, senders, receivers, proto: str, duration: float, offloa
         xdp_a.attach(*a_ports)
         xdp_b.attach(*b_ports)
         offload_flows(lab, placements)
-    run = run_tcp_streams if proto == "tcp" else run_udp_streams
     try:
-        devices = {*a_ports, *b_ports}
-        with CpuMeter([a, b], devices) as cpu:
-            gbps = run(senders, receivers, duration)
+        port_threads = napi_threads(a.spec.netns, a_ports) + napi_threads(b.spec.netns, b_ports)
+        meter = CpuMeter([a, b], port_threads, _guest_threads([*senders, *receivers]))
+        with meter as cpu:
+            if proto == "tcp":
+                gbps = run_tcp_streams(senders, receivers, args.duration)
+            else:
+                paced = args.udp_mbps if proto == "udp-paced" else 0
+                gbps = run_udp_streams(senders, receivers, args.duration, paced)
         counted = HostXdp(a).stats() if offload else {}
     finally:
         if offload:
@@ -496,12 +506,12 @@ def measure(args: argparse.Namespace) -> dict:
     results: dict = {"pps": {}, "streams": [], "scale": {}}
     try:
         results["pps"] = packet_rates(lab, eps["a1"], eps["a2"], args)
-        for proto in ("udp", "tcp"):
+        for proto in ("udp", "udp-paced", "tcp"):
             for n in counts:
                 senders = [eps[f"s{i}"] for i in range(n)]
                 receivers = [eps[f"r{i}"] for i in range(n)]
                 for offload in (False, True):
-                    row = stream_row(lab, senders, receivers, proto, args.duration, offload)
+                    row = stream_row(lab, senders, receivers, proto, args, offload)
                     row |= {"proto": proto, "streams": n, "offload": offload}
                     results["streams"].append(row)
                     print(f"(b) {row}", flush=True)
@@ -567,7 +577,9 @@ def _stream_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         "",
         f"## (b) N streams B -> A through both br-ints, phy0 and the fabric ({args.duration:g} s)",
         "",
-        "UDP: udpgen, 1472-byte datagrams, unpaced, one sender per stream; TCP: iperf3, one "
+        "UDP: udpgen, 1472-byte datagrams, one sender per stream, unpaced (udp) or paced at "
+        f"{args.udp_mbps:g} Mbit/s per stream (udp-paced: the same offered load on both "
+        "paths, as the paper's 1 Gbit/s per VM); TCP: iperf3, one "
         "connection per stream (data and ACK directions offloaded). Host CPU = ovs-vswitchd "
         "of hosts A and B + the machine's softirq time + the NAPI threads of the br-int "
         "ports and phy0 (where the eSwitch runs), in % of one core. The endpoints' eth0 "
@@ -618,6 +630,7 @@ def main() -> int:
     parser.add_argument("--flows", type=int, default=100_000)
     parser.add_argument("--senders", type=int, default=2, help="(a): udpgen processes, a flow each")
     parser.add_argument("--rounds", type=int, default=3, help="(a): interleaved rounds, median")
+    parser.add_argument("--udp-mbps", type=float, default=100, help="(b): udp-paced per stream")
     parser.add_argument("--scale-inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--in-port", help=argparse.SUPPRESS)
     parser.add_argument("--out-port", help=argparse.SUPPRESS)
