@@ -23,11 +23,14 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from flexmig.lab import endpoints, traffic
 from flexmig.lab.host import LabHost
@@ -36,11 +39,13 @@ from ovs_ext.providers.base import FlowMatch, OffloadEntry
 from ovs_ext.providers.xdp.labctl import HostXdp
 from ovs_ext.providers.xdp.provider import BUILD_DIR, RX_PASS_OBJECT
 
+T = TypeVar("T")
 OFFLOAD_PATH = "provider direct (XdpProvider, ovs_ext.providers.xdp.ctl in each host)"
 UDP_PAYLOAD = 1472
 TCP, UDP = 6, 17
 DEFAULT_OUT = Path("docs/benchmarks/offload-datapath.md")
 RX_SINK_OBJECT = BUILD_DIR / "rx_sink.bpf.o"
+BACKGROUND_SAMPLE_S = 1.0
 NAPI_HELPER = Path(__file__).resolve().parent / "napi_threads.py"
 
 
@@ -130,6 +135,10 @@ class CpuMeter:
         self.napi_pids, self.guest_pids = port_threads, guest_threads
 
     def __enter__(self) -> CpuMeter:
+        # The machine's softirq includes other labs' traffic: sample it idle first.
+        idle0, t_idle = _softirq_s(), time.monotonic()
+        time.sleep(BACKGROUND_SAMPLE_S)
+        self.background_pct = 100 * (_softirq_s() - idle0) / (time.monotonic() - t_idle)
         self.t0, self.ovs0, self.irq0 = time.monotonic(), self._ovs(), _softirq_s()
         self.napi0, self.guest0 = _cpu_of(self.napi_pids), _cpu_of(self.guest_pids)
         return self
@@ -144,6 +153,11 @@ class CpuMeter:
     @property
     def host_pct(self) -> float:
         return self.ovs_pct + self.softirq_pct + self.napi_pct
+
+    @property
+    def net_host_pct(self) -> float:
+        """Host CPU less the softirq the machine spent just before, with no traffic of ours."""
+        return self.ovs_pct + max(0.0, self.softirq_pct - self.background_pct) + self.napi_pct
 
     def _ovs(self) -> float:
         return sum(_proc_cpu_s(p) for p in self.pids)
@@ -270,6 +284,7 @@ def packet_rate(
         "datapath_cpu_pct": meter.host_pct,
         "guest_napi_pct": meter.guest_napi_pct,
         "pps_per_core": received / sent["seconds"] / max(meter.host_pct / 100, 1e-9),
+        "loadavg": os.getloadavg()[0],
         "napi_threads": len(meter.napi_pids),
     }
 
@@ -393,12 +408,42 @@ def stream_row(
         "napi_pct": cpu.napi_pct,
         "guest_napi_pct": cpu.guest_napi_pct,
         "napi_threads": len(cpu.napi_pids),
+        "softirq_background_pct": cpu.background_pct,
         "cpu_per_gbps": cpu.host_pct / gbps if gbps > 0 else float("inf"),
+        "net_cpu_per_gbps": cpu.net_host_pct / gbps if gbps > 0 else float("inf"),
         "offloaded_packets_on_a": sum(c.packets for c in counted.values()),
+        "loadavg": os.getloadavg()[0],
     }
 
 
 # -- (c) scale, run inside host A ----------------------------------------------------------
+def _cpu_now() -> float:
+    """CPU seconds of this process and its children (the privsep daemon) so far."""
+    total = time.process_time()
+    for children in Path("/proc/self/task").glob("*/children"):
+        for pid in children.read_text().split():
+            total += _cpu_of([int(pid)]).get(int(pid), 0.0)
+    return total
+
+
+def _timed(step: Callable[[], T]) -> tuple[T, float, float]:
+    """(result, wall seconds, CPU seconds incl. the privsep daemon) of one step."""
+    wall0, cpu0 = time.perf_counter(), _cpu_now()
+    result = step()
+    return result, time.perf_counter() - wall0, _cpu_now() - cpu0
+
+
+def _synthetic_entries(flows: int, in_port: str, out_port: str) -> list[OffloadEntry]:
+    return [
+        OffloadEntry(
+            FlowMatch(in_port, UDP, f"10.{128 + i // 65536}.{i // 256 % 256}.{i % 256}",
+                      "10.251.0.211", 1024 + i % 60000, 9000),
+            out_port,
+        )
+        for i in range(flows)
+    ]  # fmt: skip
+
+
 def scale_inside(flows: int, in_port: str, out_port: str) -> dict[str, float]:
     """Install ``flows`` synthetic entries in one batch, poll stats, remove; timed."""
     from oslo_config import cfg
@@ -409,45 +454,49 @@ def scale_inside(flows: int, in_port: str, out_port: str) -> dict[str, float]:
     provider.conf([])
     provider.attach_port(in_port)
     provider.attach_port(out_port)
-    entries = [
-        OffloadEntry(
-            FlowMatch(
-                in_port,
-                UDP,
-                f"10.{128 + i // 65536}.{i // 256 % 256}.{i % 256}",
-                "10.251.0.211",
-                1024 + i % 60000,
-                9000,
-            ),
-            out_port,
-        )
-        for i in range(flows)
-    ]
-    t0 = time.perf_counter()
-    result = provider.install(entries)
-    install_s = time.perf_counter() - t0
-    polls = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        seen = len(provider.stats())
-        polls.append(time.perf_counter() - t0)
+    entries = _synthetic_entries(flows, in_port, out_port)
+    result, install_s, install_cpu = _timed(lambda: provider.install(entries))
+    polls = [_timed(provider.stats) for _ in range(5)]
     cold = XdpProvider(cfg.ConfigOpts())
     cold.conf([])
-    t0 = time.perf_counter()
-    cold_seen = len(cold.stats())  # a restarted provider: rebuilds its indexes first
-    cold_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    removed = len(provider.remove(e.match for e in entries))
-    remove_s = time.perf_counter() - t0
+    cold_stats, cold_s, cold_cpu = _timed(cold.stats)  # a restarted provider: rebuilds first
+    removed, remove_s, remove_cpu = _timed(lambda: provider.remove(e.match for e in entries))
+    inline_polls = _inline_polls(entries)
     provider.detach_port(in_port)
     provider.detach_port(out_port)
     return {
         "flows": flows, "installed": len(result.installed), "failed": len(result.failed),
-        "install_s": install_s, "install_rate": len(result.installed) / install_s,
-        "stats_seen": seen, "stats_median_s": statistics.median(polls), "stats_max_s": max(polls),
-        "cold_seen": cold_seen, "cold_stats_s": cold_s,
-        "removed": removed, "remove_s": remove_s,
+        "install_s": install_s, "install_cpu_s": install_cpu,
+        "install_rate": len(result.installed) / install_s,
+        "stats_seen": len(polls[-1][0]),
+        "stats_median_s": statistics.median(p[1] for p in polls),
+        "stats_max_s": max(p[1] for p in polls),
+        "stats_median_cpu_s": statistics.median(p[2] for p in polls),
+        "cold_seen": len(cold_stats), "cold_stats_s": cold_s, "cold_stats_cpu_s": cold_cpu,
+        "removed": len(removed), "remove_s": remove_s, "remove_cpu_s": remove_cpu,
+        "inline_stats_median_s": statistics.median(p[1] for p in inline_polls),
+        "inline_stats_median_cpu_s": statistics.median(p[2] for p in inline_polls),
+        "loadavg": os.getloadavg()[0],
     }  # fmt: skip
+
+
+def _inline_polls(entries: list[OffloadEntry]) -> list[tuple[dict, float, float]]:
+    """The same polls with the kernel side in this process: what privsep costs.
+
+    Last, since inline mode holds for the whole process from then on.
+    """
+    from oslo_config import cfg
+
+    from ovs_ext.providers.xdp.provider import XdpProvider
+
+    conf = cfg.ConfigOpts()
+    inline = XdpProvider(conf)
+    conf([])
+    conf.set_override("privsep", "inline", group="offload_xdp")
+    inline.install(entries)
+    polls = [_timed(inline.stats) for _ in range(3)]
+    inline.remove(e.match for e in entries)
+    return polls
 
 
 def scale(lab: Lab, flows: int, a1, a2) -> dict[str, float]:
@@ -549,8 +598,8 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
         "else the shared machine runs.",
         "",
         "| sink | path | offered pps | received pps (rounds) | vs plain OVS | datapath CPU % | "
-        "packets per core-second | vs plain OVS | guests' eth0 NAPI % |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "packets per core-second | vs plain OVS | guests' eth0 NAPI % | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for sink in ("xdp", "socket"):
         base = pps[f"{sink}/plain"]["received_pps"] or 1
@@ -566,7 +615,7 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
                 f"({', '.join(f'{x / 1000:.0f}k' for x in row['rounds_received_pps'])}) | "
                 f"{row['received_pps'] / base:.2f}x | {row['datapath_cpu_pct']:.0f} | "
                 f"{row['pps_per_core']:,.0f} | {row['pps_per_core'] / base_eff:.2f}x | "
-                f"{row['guest_napi_pct']:.0f} |"
+                f"{row['guest_napi_pct']:.0f} | {row['loadavg']:.1f} |"
             )
     lines += _stream_table(results["streams"], args) + _scale_table(results["scale"])
     return "\n".join(lines) + "\n"
@@ -582,24 +631,30 @@ def _stream_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         "paths, as the paper's 1 Gbit/s per VM); TCP: iperf3, one "
         "connection per stream (data and ACK directions offloaded). Host CPU = ovs-vswitchd "
         "of hosts A and B + the machine's softirq time + the NAPI threads of the br-int "
-        "ports and phy0 (where the eSwitch runs), in % of one core. The endpoints' eth0 "
-        "NAPI threads (their receive stacks: a guest's vCPU work) are shown apart, not in "
-        "host CPU.",
+        "ports and phy0 (where the eSwitch runs), in % of one core. The machine's softirq "
+        "also carries other labs' traffic: it was sampled for "
+        f"{BACKGROUND_SAMPLE_S:g} s with no traffic of ours just before each row "
+        '("bg"), and the net columns subtract it. The endpoints\' eth0 NAPI threads (their '
+        "receive stacks: a guest's vCPU work) are shown apart, not in host CPU.",
         "",
-        "| proto | N | path | Gbit/s | ovs-vswitchd % | softirq % | port NAPI % | "
-        "host CPU %/Gbit/s | offload/onload CPU per Gbit/s | guests' eth0 NAPI % |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| proto | N | path | Gbit/s | ovs-vswitchd % | softirq % (bg) | port NAPI % | "
+        "host CPU %/Gbit/s | offload/onload | net CPU %/Gbit/s | net offload/onload | "
+        "guests' eth0 NAPI % | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     onload = {(r["proto"], r["streams"]): r for r in rows if not r["offload"]}
     for r in rows:
-        ratio = ""
+        ratio = net_ratio = ""
         if r["offload"]:
-            ratio = f"{r['cpu_per_gbps'] / onload[(r['proto'], r['streams'])]['cpu_per_gbps']:.2f}"
+            base = onload[(r["proto"], r["streams"])]
+            ratio = f"{r['cpu_per_gbps'] / base['cpu_per_gbps']:.2f}"
+            net_ratio = f"{r['net_cpu_per_gbps'] / base['net_cpu_per_gbps']:.2f}"
         lines.append(
             f"| {r['proto']} | {r['streams']} | {'offloaded' if r['offload'] else 'plain OVS'} | "
-            f"{r['gbps']:.2f} | {r['ovs_pct']:.0f} | {r['softirq_pct']:.0f} | "
-            f"{r['napi_pct']:.0f} | "
-            f"{r['cpu_per_gbps']:.0f} | {ratio} | {r['guest_napi_pct']:.0f} |"
+            f"{r['gbps']:.2f} | {r['ovs_pct']:.0f} | {r['softirq_pct']:.0f} "
+            f"({r['softirq_background_pct']:.0f}) | {r['napi_pct']:.0f} | "
+            f"{r['cpu_per_gbps']:.0f} | {ratio} | {r['net_cpu_per_gbps']:.0f} | {net_ratio} | "
+            f"{r['guest_napi_pct']:.0f} | {r['loadavg']:.1f} |"
         )
     return lines
 
@@ -610,15 +665,22 @@ def _scale_table(s: dict) -> list[str]:
         f"## (c) {s['flows']:,} offloaded flows (inside host A: XdpProvider and its "
         "oslo.privsep daemon, as the os-ken app runs it)",
         "",
-        "| step | result |",
-        "|---|---|",
-        f"| install, one batch | {s['installed']:,} installed, {s['failed']} failed, "
-        f"{s['install_s']:.3f} s ({s['install_rate']:,.0f} flows/s) |",
-        f"| statistics poll of all flows (5 polls) | {s['stats_seen']:,} flows, median "
-        f"{s['stats_median_s']:.3f} s, max {s['stats_max_s']:.3f} s |",
-        f"| first poll of a restarted provider | {s['cold_seen']:,} flows, "
-        f"{s['cold_stats_s']:.3f} s |",
-        f"| remove all, final counters returned | {s['removed']:,} flows, {s['remove_s']:.3f} s |",
+        "Wall time, and CPU time of the provider's process plus its privsep daemon (the work "
+        "itself, whatever else the machine runs); load average "
+        f"{s['loadavg']:.1f} on 2 cores when it ended.",
+        "",
+        "| step | flows | wall s | CPU s | rate |",
+        "|---|---|---|---|---|",
+        f"| install, one batch | {s['installed']:,} installed, {s['failed']} failed | "
+        f"{s['install_s']:.3f} | {s['install_cpu_s']:.3f} | {s['install_rate']:,.0f} flows/s |",
+        f"| statistics poll of all flows (median of 5; max wall {s['stats_max_s']:.3f} s) | "
+        f"{s['stats_seen']:,} | {s['stats_median_s']:.3f} | {s['stats_median_cpu_s']:.3f} | |",
+        f"| first poll of a restarted provider | {s['cold_seen']:,} | {s['cold_stats_s']:.3f} | "
+        f"{s['cold_stats_cpu_s']:.3f} | |",
+        f"| the same poll without privsep (inline, median of 3) | {s['stats_seen']:,} | "
+        f"{s['inline_stats_median_s']:.3f} | {s['inline_stats_median_cpu_s']:.3f} | |",
+        f"| remove all, final counters returned | {s['removed']:,} | {s['remove_s']:.3f} | "
+        f"{s['remove_cpu_s']:.3f} | |",
     ]
 
 
