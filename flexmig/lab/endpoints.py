@@ -23,7 +23,7 @@ import re
 from pathlib import Path
 
 from flexmig import exceptions
-from flexmig.lab import commands, netns, topology
+from flexmig.lab import commands, fabric, netns, topology
 from flexmig.lab.lab import Lab
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")
@@ -206,8 +206,9 @@ def _plumb(spec: topology.HostSpec, endpoint: Endpoint) -> None:
 
 
 def prepare_uplink(spec: topology.HostSpec) -> None:
-    """Let XDP redirects out of the host's phy0 be received by the fabric."""
-    _attach_rx_pass(topology.FABRIC_NETNS, spec.fabric_tenant_if)
+    """Let XDP redirects out of the host's phy0 be received by the fabric (idempotent;
+    ``lab up`` does it too, this covers labs brought up before it did)."""
+    fabric.accept_xdp_redirects(spec)
 
 
 def _attach_rx_pass(ns: str, ifname: str) -> None:

@@ -62,6 +62,20 @@ def connect_host(spec: HostSpec) -> None:
         _in_host(spec, "ethtool", "-K", host_if, "tx", "off")
     addr = f"{spec.mgmt_ip}/{topology.MGMT_NET.prefixlen}"
     _in_host(spec, "ip", "addr", "replace", addr, "dev", topology.HOST_MGMT_IF)
+    accept_xdp_redirects(spec)
+
+
+def accept_xdp_redirects(spec: HostSpec) -> None:
+    """Let frames the host's XDP fast path redirects out of phy0 reach the fabric.
+
+    A veth hands a redirected frame to its peer's XDP ring, which exists only
+    while the peer has an XDP program: the fabric side gets an XDP_PASS one.
+    Skipped when the eSwitch is not built (the lab works without it).
+    """
+    from ovs_ext.providers.xdp import provider  # optional part of the lab
+
+    if provider.RX_PASS_OBJECT.is_file():
+        provider.attach_rx_pass(spec.fabric_tenant_if, topology.FABRIC_NETNS)
 
 
 def down_fabric() -> None:

@@ -1,7 +1,7 @@
 """The XDP eSwitch fast path against OVS's userspace datapath, in one run.
 
     .venv/bin/python -m tests.bench.bench_offload_datapath [--out FILE] [--duration S]
-        [--streams 1,2,4,8] [--flows 100000] [--senders 2] [--rounds 3]
+        [--streams 1,2,4,8] [--flows 100000] [--senders 2] [--rounds 3] [--udp-mbps 100]
 
 (a) packets/s, endpoint a1 -> a2 on host A, 64-byte frames from udpgen --raw
     (one sender process per core: a single one is what runs out of CPU first):
@@ -27,11 +27,14 @@ import argparse
 import dataclasses
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from flexmig.lab import endpoints, offload, traffic
 from flexmig.lab.host import LabHost
@@ -40,11 +43,14 @@ from ovs_ext.providers.base import FlowMatch, OffloadEntry
 from ovs_ext.providers.xdp.labctl import HostXdp
 from ovs_ext.providers.xdp.provider import BUILD_DIR, RX_PASS_OBJECT
 
+T = TypeVar("T")
 OFFLOAD_PATH = "provider direct (XdpProvider, ovs_ext.providers.xdp.ctl in each host)"
 UDP_PAYLOAD = 1472
 TCP, UDP = 6, 17
 DEFAULT_OUT = Path("docs/benchmarks/offload-datapath.md")
 RX_SINK_OBJECT = BUILD_DIR / "rx_sink.bpf.o"
+BACKGROUND_SAMPLE_S = 1.0
+NAPI_HELPER = Path(__file__).resolve().parent / "napi_threads.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,52 +148,40 @@ def _softirq_s() -> float:
     return int(cpu[7]) / 100.0
 
 
-def _napi_threads(devices: set[str]) -> list[int]:
-    """Threaded-NAPI kthreads ("napi/<dev>-<id>") of the given devices.
-
-    With threaded NAPI the fast path runs there, charged as system time of the
-    kthread, not as softirq: leaving them out would hide the eSwitch's cost.
-    Kthreads carry no namespace, so another lab's device of the same name is
-    counted too: an over-count, against the offload figures.
-    """
-    pids = []
-    for proc in Path("/proc").iterdir():
-        try:
-            comm = (proc / "comm").read_text().strip() if proc.name.isdigit() else ""
-        except OSError:
-            continue
-        if comm.startswith("napi/") and any(_napi_of(comm[5:], dev) for dev in devices):
-            pids.append(int(proc.name))
-    return pids
-
-
-def _napi_of(name: str, device: str) -> bool:
-    """Whether a kthread name (after "napi/", cut to 15 bytes in all) is the device's.
-
-    >>> _napi_of("ep-a1-8195", "ep-a1"), _napi_of("ep-a10-8195", "ep-a1")
-    (True, False)
-    """
-    if name.startswith(device + "-"):
-        return True
-    return len(name) == 10 and (device + "-").startswith(name)  # TASK_COMM_LEN cut it
+def napi_threads(netns: str, ifnames: list[str]) -> list[int]:
+    """PIDs of the NAPI kthreads of interfaces in a namespace (see napi_threads.py)."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", netns, sys.executable, str(NAPI_HELPER), *ifnames],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=30,
+    ).stdout
+    return [pid for pids in json.loads(out).values() for pid in pids]
 
 
 class CpuMeter:
     """Host CPU of a switch path, in % of one core.
 
     Host: ovs-vswitchd of the given hosts, the machine's softirq time, and
-    the NAPI kthreads of the hosts' ports (``devices``: br-int ports, phy0)
-    where the eSwitch runs.  Apart, as the guests' own: the NAPI kthreads of
-    the endpoints' ``eth0`` (their receive stacks, a VM's vCPU work).
+    the NAPI kthreads of the hosts' ports (``port_threads``) where the
+    eSwitch runs.  Apart, as the guests' own: the endpoints' eth0 NAPI
+    kthreads (``guest_threads``, their receive stacks: a VM's vCPU work).
+    Threads are named by the kernel per interface (napi_threads.py), so
+    another lab's busy ports are never counted as ours.
     """
 
-    def __init__(self, hosts: list[LabHost], devices: set[str]) -> None:
+    def __init__(
+        self, hosts: list[LabHost], port_threads: list[int], guest_threads: list[int]
+    ) -> None:
         self.pids = [_outer_pid(h, "/run/openvswitch/ovs-vswitchd.pid") for h in hosts]
-        self.devices = devices - {endpoints.ENDPOINT_IF}
+        self.napi_pids, self.guest_pids = port_threads, guest_threads
 
     def __enter__(self) -> CpuMeter:
-        self.napi_pids = _napi_threads(self.devices)
-        self.guest_pids = _napi_threads({endpoints.ENDPOINT_IF})
+        # The machine's softirq includes other labs' traffic: sample it idle first.
+        idle0, t_idle = _softirq_s(), time.monotonic()
+        time.sleep(BACKGROUND_SAMPLE_S)
+        self.background_pct = 100 * (_softirq_s() - idle0) / (time.monotonic() - t_idle)
         self.t0, self.ovs0, self.irq0 = time.monotonic(), self._ovs(), _softirq_s()
         self.napi0, self.guest0 = _cpu_of(self.napi_pids), _cpu_of(self.guest_pids)
         return self
@@ -196,25 +190,40 @@ class CpuMeter:
         wall = time.monotonic() - self.t0
         self.ovs_pct = 100 * (self._ovs() - self.ovs0) / wall
         self.softirq_pct = 100 * (_softirq_s() - self.irq0) / wall
-        self.napi_pct = 100 * (_cpu_of(self.napi_pids) - self.napi0) / wall
-        self.guest_napi_pct = 100 * (_cpu_of(self.guest_pids) - self.guest0) / wall
+        self.napi_pct = 100 * _delta(self.napi0, _cpu_of(self.napi_pids)) / wall
+        self.guest_napi_pct = 100 * _delta(self.guest0, _cpu_of(self.guest_pids)) / wall
 
     @property
     def host_pct(self) -> float:
         return self.ovs_pct + self.softirq_pct + self.napi_pct
 
+    @property
+    def net_host_pct(self) -> float:
+        """Host CPU less the softirq the machine spent just before, with no traffic of ours."""
+        return self.ovs_pct + max(0.0, self.softirq_pct - self.background_pct) + self.napi_pct
+
     def _ovs(self) -> float:
         return sum(_proc_cpu_s(p) for p in self.pids)
 
 
-def _cpu_of(pids: list[int]) -> float:
-    total = 0.0
+def _guest_threads(eps: list[endpoints.Endpoint]) -> list[int]:
+    return [pid for ep in eps for pid in napi_threads(ep.netns, [endpoints.ENDPOINT_IF])]
+
+
+def _cpu_of(pids: list[int]) -> dict[int, float]:
+    """CPU seconds so far of each thread still alive."""
+    seconds = {}
     for pid in pids:
         try:
-            total += _proc_cpu_s(pid)
+            seconds[pid] = _proc_cpu_s(pid)
         except OSError:
-            pass  # the device went away; its time so far is lost, not invented
-    return total
+            pass  # gone (its device was deleted)
+    return seconds
+
+
+def _delta(before: dict[int, float], after: dict[int, float]) -> float:
+    """CPU used in between by the threads alive at both ends (never negative)."""
+    return sum(after[pid] - before[pid] for pid in before.keys() & after.keys())
 
 
 # -- (a) packet rate ----------------------------------------------------------------
@@ -290,7 +299,11 @@ def packet_rate(
         xdp.attach(*ports)
     if mode == "offloaded":
         offload_flows(lab, placements)
-    meter = CpuMeter([lab.host("A")], {src.port, dst.port})
+    meter = CpuMeter(
+        [lab.host("A")],
+        napi_threads(lab.host("A").spec.netns, [src.port, dst.port]),
+        _guest_threads([src, dst]),
+    )
     try:
         if sink == "xdp":
             with XdpSink(dst) as counter:
@@ -314,6 +327,7 @@ def packet_rate(
         "datapath_cpu_pct": meter.host_pct,
         "guest_napi_pct": meter.guest_napi_pct,
         "pps_per_core": received / sent["seconds"] / max(meter.host_pct / 100, 1e-9),
+        "loadavg": os.getloadavg()[0],
         "napi_threads": len(meter.napi_pids),
     }
 
@@ -356,8 +370,8 @@ def stream_placements(senders, receivers, proto: str) -> list[Placement]:
     return out
 
 
-def run_udp_streams(senders, receivers, duration: float) -> float:
-    """Aggregate received Gbit/s of unpaced MTU-sized UDP streams."""
+def run_udp_streams(senders, receivers, duration: float, mbps_each: float = 0) -> float:
+    """Aggregate received Gbit/s of MTU-sized UDP streams (paced if ``mbps_each``)."""
     rx = [
         traffic.Receiver(endpoints.exec_prefix(r), 9000 + i, duration=duration + 10)
         for i, r in enumerate(receivers)
@@ -367,6 +381,8 @@ def run_udp_streams(senders, receivers, duration: float) -> float:
         cmd = [*endpoints.exec_prefix(s), str(traffic.UDPGEN), "send", "--dst", r.ip]
         cmd += ["--port", str(9000 + i), "--sport", str(20000 + i), "--size", str(UDP_PAYLOAD)]
         cmd += ["--duration", str(duration)]
+        if mbps_each:
+            cmd += ["--rate", str(int(mbps_each * 1e6 / 8 / UDP_PAYLOAD)), "--batch", "8"]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL))
     for p in procs:
         p.wait(timeout=duration + 30)
@@ -398,8 +414,13 @@ def run_tcp_streams(senders, receivers, duration: float) -> float:
     return total / 1e9
 
 
-def stream_row(lab: Lab, senders, receivers, proto: str, duration: float, offload: bool) -> dict:
-    """One measurement: N streams, plain OVS or offloaded; eSwitch attached only for the latter."""
+def stream_row(
+    lab: Lab, senders, receivers, proto: str, args: argparse.Namespace, offload: bool
+) -> dict:
+    """One measurement: N streams, plain OVS or offloaded; eSwitch attached only for the latter.
+
+    proto: ``udp`` (unpaced), ``udp-paced`` (``args.udp_mbps`` per stream), ``tcp``.
+    """
     a, b = lab.host("A"), lab.host("B")
     xdp_a, xdp_b = HostXdp(a), HostXdp(b)
     placements = stream_placements(senders, receivers, proto)
@@ -409,11 +430,15 @@ def stream_row(lab: Lab, senders, receivers, proto: str, duration: float, offloa
             xdp_a.attach(*a_ports)
             xdp_b.attach(*b_ports)
         offload_flows(lab, placements)
-    run = run_tcp_streams if proto == "tcp" else run_udp_streams
     try:
-        devices = {*a_ports, *b_ports}
-        with CpuMeter([a, b], devices) as cpu:
-            gbps = run(senders, receivers, duration)
+        port_threads = napi_threads(a.spec.netns, a_ports) + napi_threads(b.spec.netns, b_ports)
+        meter = CpuMeter([a, b], port_threads, _guest_threads([*senders, *receivers]))
+        with meter as cpu:
+            if proto == "tcp":
+                gbps = run_tcp_streams(senders, receivers, args.duration)
+            else:
+                paced = args.udp_mbps if proto == "udp-paced" else 0
+                gbps = run_udp_streams(senders, receivers, args.duration, paced)
         counted = HostXdp(a).stats() if offload else {}
     finally:
         if offload:
@@ -428,12 +453,42 @@ def stream_row(lab: Lab, senders, receivers, proto: str, duration: float, offloa
         "napi_pct": cpu.napi_pct,
         "guest_napi_pct": cpu.guest_napi_pct,
         "napi_threads": len(cpu.napi_pids),
+        "softirq_background_pct": cpu.background_pct,
         "cpu_per_gbps": cpu.host_pct / gbps if gbps > 0 else float("inf"),
+        "net_cpu_per_gbps": cpu.net_host_pct / gbps if gbps > 0 else float("inf"),
         "offloaded_packets_on_a": sum(c.packets for c in counted.values()),
+        "loadavg": os.getloadavg()[0],
     }
 
 
 # -- (c) scale, run inside host A ----------------------------------------------------------
+def _cpu_now() -> float:
+    """CPU seconds of this process and its children (the privsep daemon) so far."""
+    total = time.process_time()
+    for children in Path("/proc/self/task").glob("*/children"):
+        for pid in children.read_text().split():
+            total += _cpu_of([int(pid)]).get(int(pid), 0.0)
+    return total
+
+
+def _timed(step: Callable[[], T]) -> tuple[T, float, float]:
+    """(result, wall seconds, CPU seconds incl. the privsep daemon) of one step."""
+    wall0, cpu0 = time.perf_counter(), _cpu_now()
+    result = step()
+    return result, time.perf_counter() - wall0, _cpu_now() - cpu0
+
+
+def _synthetic_entries(flows: int, in_port: str, out_port: str) -> list[OffloadEntry]:
+    return [
+        OffloadEntry(
+            FlowMatch(in_port, UDP, f"10.{128 + i // 65536}.{i // 256 % 256}.{i % 256}",
+                      "10.251.0.211", 1024 + i % 60000, 9000),
+            out_port,
+        )
+        for i in range(flows)
+    ]  # fmt: skip
+
+
 def scale_inside(flows: int, in_port: str, out_port: str) -> dict[str, float]:
     """Install ``flows`` synthetic entries in one batch, poll stats, remove; timed."""
     from oslo_config import cfg
@@ -444,45 +499,49 @@ def scale_inside(flows: int, in_port: str, out_port: str) -> dict[str, float]:
     provider.conf([])
     provider.attach_port(in_port)
     provider.attach_port(out_port)
-    entries = [
-        OffloadEntry(
-            FlowMatch(
-                in_port,
-                UDP,
-                f"10.{128 + i // 65536}.{i // 256 % 256}.{i % 256}",
-                "10.251.0.211",
-                1024 + i % 60000,
-                9000,
-            ),
-            out_port,
-        )
-        for i in range(flows)
-    ]
-    t0 = time.perf_counter()
-    result = provider.install(entries)
-    install_s = time.perf_counter() - t0
-    polls = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        seen = len(provider.stats())
-        polls.append(time.perf_counter() - t0)
+    entries = _synthetic_entries(flows, in_port, out_port)
+    result, install_s, install_cpu = _timed(lambda: provider.install(entries))
+    polls = [_timed(provider.stats) for _ in range(5)]
     cold = XdpProvider(cfg.ConfigOpts())
     cold.conf([])
-    t0 = time.perf_counter()
-    cold_seen = len(cold.stats())  # a restarted provider: rebuilds its indexes first
-    cold_s = time.perf_counter() - t0
-    t0 = time.perf_counter()
-    removed = len(provider.remove(e.match for e in entries))
-    remove_s = time.perf_counter() - t0
+    cold_stats, cold_s, cold_cpu = _timed(cold.stats)  # a restarted provider: rebuilds first
+    removed, remove_s, remove_cpu = _timed(lambda: provider.remove(e.match for e in entries))
+    inline_polls = _inline_polls(entries)
     provider.detach_port(in_port)
     provider.detach_port(out_port)
     return {
         "flows": flows, "installed": len(result.installed), "failed": len(result.failed),
-        "install_s": install_s, "install_rate": len(result.installed) / install_s,
-        "stats_seen": seen, "stats_median_s": statistics.median(polls), "stats_max_s": max(polls),
-        "cold_seen": cold_seen, "cold_stats_s": cold_s,
-        "removed": removed, "remove_s": remove_s,
+        "install_s": install_s, "install_cpu_s": install_cpu,
+        "install_rate": len(result.installed) / install_s,
+        "stats_seen": len(polls[-1][0]),
+        "stats_median_s": statistics.median(p[1] for p in polls),
+        "stats_max_s": max(p[1] for p in polls),
+        "stats_median_cpu_s": statistics.median(p[2] for p in polls),
+        "cold_seen": len(cold_stats), "cold_stats_s": cold_s, "cold_stats_cpu_s": cold_cpu,
+        "removed": len(removed), "remove_s": remove_s, "remove_cpu_s": remove_cpu,
+        "inline_stats_median_s": statistics.median(p[1] for p in inline_polls),
+        "inline_stats_median_cpu_s": statistics.median(p[2] for p in inline_polls),
+        "loadavg": os.getloadavg()[0],
     }  # fmt: skip
+
+
+def _inline_polls(entries: list[OffloadEntry]) -> list[tuple[dict, float, float]]:
+    """The same polls with the kernel side in this process: what privsep costs.
+
+    Last, since inline mode holds for the whole process from then on.
+    """
+    from oslo_config import cfg
+
+    from ovs_ext.providers.xdp.provider import XdpProvider
+
+    conf = cfg.ConfigOpts()
+    inline = XdpProvider(conf)
+    conf([])
+    conf.set_override("privsep", "inline", group="offload_xdp")
+    inline.install(entries)
+    polls = [_timed(inline.stats) for _ in range(3)]
+    inline.remove(e.match for e in entries)
+    return polls
 
 
 def scale(lab: Lab, flows: int, a1, a2) -> dict[str, float]:
@@ -547,12 +606,12 @@ def measure(args: argparse.Namespace) -> dict:
     results: dict = {"pps": {}, "streams": [], "scale": {}}
     try:
         results["pps"] = packet_rates(lab, eps["a1"], eps["a2"], args)
-        for proto in ("udp", "tcp"):
+        for proto in ("udp", "udp-paced", "tcp"):
             for n in counts:
                 senders = [eps[f"s{i}"] for i in range(n)]
                 receivers = [eps[f"r{i}"] for i in range(n)]
                 for offload in (False, True):
-                    row = stream_row(lab, senders, receivers, proto, args.duration, offload)
+                    row = stream_row(lab, senders, receivers, proto, args, offload)
                     row |= {"proto": proto, "streams": n, "offload": offload}
                     results["streams"].append(row)
                     print(f"(b) {row}", flush=True)
@@ -590,8 +649,8 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
         "else the shared machine runs.",
         "",
         "| sink | path | offered pps | received pps (rounds) | vs plain OVS | datapath CPU % | "
-        "packets per core-second | vs plain OVS | guests' eth0 NAPI % |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "packets per core-second | vs plain OVS | guests' eth0 NAPI % | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for sink in ("xdp", "socket"):
         base = pps[f"{sink}/plain"]["received_pps"] or 1
@@ -607,7 +666,7 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
                 f"({', '.join(f'{x / 1000:.0f}k' for x in row['rounds_received_pps'])}) | "
                 f"{row['received_pps'] / base:.2f}x | {row['datapath_cpu_pct']:.0f} | "
                 f"{row['pps_per_core']:,.0f} | {row['pps_per_core'] / base_eff:.2f}x | "
-                f"{row['guest_napi_pct']:.0f} |"
+                f"{row['guest_napi_pct']:.0f} | {row['loadavg']:.1f} |"
             )
     lines += _stream_table(results["streams"], args) + _scale_table(results["scale"])
     return "\n".join(lines) + "\n"
@@ -618,27 +677,35 @@ def _stream_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         "",
         f"## (b) N streams B -> A through both br-ints, phy0 and the fabric ({args.duration:g} s)",
         "",
-        "UDP: udpgen, 1472-byte datagrams, unpaced, one sender per stream; TCP: iperf3, one "
+        "UDP: udpgen, 1472-byte datagrams, one sender per stream, unpaced (udp) or paced at "
+        f"{args.udp_mbps:g} Mbit/s per stream (udp-paced: the same offered load on both "
+        "paths, as the paper's 1 Gbit/s per VM); TCP: iperf3, one "
         "connection per stream (data and ACK directions offloaded). Host CPU = ovs-vswitchd "
         "of hosts A and B + the machine's softirq time + the NAPI threads of the br-int "
-        "ports and phy0 (where the eSwitch runs), in % of one core. The endpoints' eth0 "
-        "NAPI threads (their receive stacks: a guest's vCPU work) are shown apart, not in "
-        "host CPU.",
+        "ports and phy0 (where the eSwitch runs), in % of one core. The machine's softirq "
+        "also carries other labs' traffic: it was sampled for "
+        f"{BACKGROUND_SAMPLE_S:g} s with no traffic of ours just before each row "
+        '("bg"), and the net columns subtract it. The endpoints\' eth0 NAPI threads (their '
+        "receive stacks: a guest's vCPU work) are shown apart, not in host CPU.",
         "",
-        "| proto | N | path | Gbit/s | ovs-vswitchd % | softirq % | port NAPI % | "
-        "host CPU %/Gbit/s | offload/onload CPU per Gbit/s | guests' eth0 NAPI % |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| proto | N | path | Gbit/s | ovs-vswitchd % | softirq % (bg) | port NAPI % | "
+        "host CPU %/Gbit/s | offload/onload | net CPU %/Gbit/s | net offload/onload | "
+        "guests' eth0 NAPI % | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     onload = {(r["proto"], r["streams"]): r for r in rows if not r["offload"]}
     for r in rows:
-        ratio = ""
+        ratio = net_ratio = ""
         if r["offload"]:
-            ratio = f"{r['cpu_per_gbps'] / onload[(r['proto'], r['streams'])]['cpu_per_gbps']:.2f}"
+            base = onload[(r["proto"], r["streams"])]
+            ratio = f"{r['cpu_per_gbps'] / base['cpu_per_gbps']:.2f}"
+            net_ratio = f"{r['net_cpu_per_gbps'] / base['net_cpu_per_gbps']:.2f}"
         lines.append(
             f"| {r['proto']} | {r['streams']} | {'offloaded' if r['offload'] else 'plain OVS'} | "
-            f"{r['gbps']:.2f} | {r['ovs_pct']:.0f} | {r['softirq_pct']:.0f} | "
-            f"{r['napi_pct']:.0f} | "
-            f"{r['cpu_per_gbps']:.0f} | {ratio} | {r['guest_napi_pct']:.0f} |"
+            f"{r['gbps']:.2f} | {r['ovs_pct']:.0f} | {r['softirq_pct']:.0f} "
+            f"({r['softirq_background_pct']:.0f}) | {r['napi_pct']:.0f} | "
+            f"{r['cpu_per_gbps']:.0f} | {ratio} | {r['net_cpu_per_gbps']:.0f} | {net_ratio} | "
+            f"{r['guest_napi_pct']:.0f} | {r['loadavg']:.1f} |"
         )
     return lines
 
@@ -646,17 +713,25 @@ def _stream_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
 def _scale_table(s: dict) -> list[str]:
     return [
         "",
-        f"## (c) {s['flows']:,} offloaded flows (inside host A, provider in-process)",
+        f"## (c) {s['flows']:,} offloaded flows (inside host A: XdpProvider and its "
+        "oslo.privsep daemon, as the os-ken app runs it)",
         "",
-        "| step | result |",
-        "|---|---|",
-        f"| install, one batch | {s['installed']:,} installed, {s['failed']} failed, "
-        f"{s['install_s']:.3f} s ({s['install_rate']:,.0f} flows/s) |",
-        f"| statistics poll of all flows (5 polls) | {s['stats_seen']:,} flows, median "
-        f"{s['stats_median_s']:.3f} s, max {s['stats_max_s']:.3f} s |",
-        f"| first poll of a restarted provider | {s['cold_seen']:,} flows, "
-        f"{s['cold_stats_s']:.3f} s |",
-        f"| remove all, final counters returned | {s['removed']:,} flows, {s['remove_s']:.3f} s |",
+        "Wall time, and CPU time of the provider's process plus its privsep daemon (the work "
+        "itself, whatever else the machine runs); load average "
+        f"{s['loadavg']:.1f} on 2 cores when it ended.",
+        "",
+        "| step | flows | wall s | CPU s | rate |",
+        "|---|---|---|---|---|",
+        f"| install, one batch | {s['installed']:,} installed, {s['failed']} failed | "
+        f"{s['install_s']:.3f} | {s['install_cpu_s']:.3f} | {s['install_rate']:,.0f} flows/s |",
+        f"| statistics poll of all flows (median of 5; max wall {s['stats_max_s']:.3f} s) | "
+        f"{s['stats_seen']:,} | {s['stats_median_s']:.3f} | {s['stats_median_cpu_s']:.3f} | |",
+        f"| first poll of a restarted provider | {s['cold_seen']:,} | {s['cold_stats_s']:.3f} | "
+        f"{s['cold_stats_cpu_s']:.3f} | |",
+        f"| the same poll without privsep (inline, median of 3) | {s['stats_seen']:,} | "
+        f"{s['inline_stats_median_s']:.3f} | {s['inline_stats_median_cpu_s']:.3f} | |",
+        f"| remove all, final counters returned | {s['removed']:,} | {s['remove_s']:.3f} | "
+        f"{s['remove_cpu_s']:.3f} | |",
     ]
 
 
@@ -675,6 +750,7 @@ def main() -> int:
     )
     parser.add_argument("--senders", type=int, default=2, help="(a): udpgen processes, a flow each")
     parser.add_argument("--rounds", type=int, default=3, help="(a): interleaved rounds, median")
+    parser.add_argument("--udp-mbps", type=float, default=100, help="(b): udp-paced per stream")
     parser.add_argument("--scale-inside", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--in-port", help=argparse.SUPPRESS)
     parser.add_argument("--out-port", help=argparse.SUPPRESS)

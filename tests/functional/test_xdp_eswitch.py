@@ -196,7 +196,7 @@ def test_offload_into_a_qemu_guest_tap(xlab):
     tap, guest_ip = guest.spec.port_name, guest.spec.tenant_ip
     xdp["A"].attach(tap)
     # ICMP is never offloaded: the reply leaves the tap through the eSwitch (a miss) to OVS.
-    ping = traffic_run(eps["a1"], ["ping", "-c", "2", "-W", "5", guest_ip])
+    ping = traffic_run(eps["a1"], ["ping", "-c", "4", "-W", "5", guest_ip])
     assert ping.returncode == 0, ping.stdout
     match = FlowMatch("ep-a1", 17, eps["a1"].ip, guest_ip, 7005, 9999)
     add_probe(host, match)
