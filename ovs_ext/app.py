@@ -79,12 +79,27 @@ class OffloadApp(app_manager.OSKenApp):
             dp.close()
             return
         LOG.info("bridge %s connected (datapath %016x)", self.rt.bridge, dp.id)
+        self._forget_bridge_state()
         self.datapath = dp
-        # Rules of an earlier run are stale: their flows are forgotten.
+        # Rules of an earlier run or connection are stale: their flows are forgotten.
         self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto))
         self.send(openflow.table_miss_rule(dp.ofproto_parser, dp.ofproto))
         self.send(dp.ofproto_parser.OFPPortDescStatsRequest(dp, 0))
         self.rt.connected.set()
+
+    def _forget_bridge_state(self) -> None:
+        """A (re)connection starts from nothing: the rules are deleted below, so
+        every tracked flow and offload entry goes too, and ports are relearnt."""
+        with self.rt.lock:
+            control = self.rt.control
+            for port in sorted(
+                control.dispatchers.fast_path_ports | set(control.dispatchers.by_port)
+            ):
+                control.port_removed(port)
+        self.port_names.clear()
+        self.port_numbers.clear()
+        self.mac_ports.clear()
+        self._stats_sent_at = None
 
     @set_ev_cls(ofp_event.EventOFPPortDescStatsReply, MAIN_DISPATCHER)
     def _port_desc(self, ev: Any) -> None:

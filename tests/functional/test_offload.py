@@ -373,6 +373,25 @@ def test_app_death_leaves_the_bridge_switching(olab, lab):
         wait_status(service, lambda s: "ep-r1" in s["fast_path_ports"])
 
 
+def test_bridge_reconnect_starts_the_app_afresh(olab, lab):
+    """OVS dropping the controller connection (a restart, say): on reconnection the
+    app deletes its rules, forgets every flow and offload entry, relearns ports."""
+    service, eps = olab
+    host = lab.host("A")
+    start_flow(service, eps, "s1", 41051, 9801)
+    host.ovs_vsctl("del-controller", "br-int")
+    time.sleep(0.5)
+    host.ovs_vsctl("set-controller", "br-int", "tcp:127.0.0.1:6653")
+    wait_status(
+        service,
+        lambda s: not s["flows"] and "ep-r1" in s["fast_path_ports"],
+        what="the app to start afresh after reconnecting",
+    )
+    discovery = [r for r in _owned_rules(host) if "cookie=0xf1e002" in r]
+    assert len(discovery) == 3 * 4  # tcp, udp, arp on phy0, ep-s1, ep-s2, ep-r1
+    assert start_flow(service, eps, "s1", 41051, 9801)["packets"] == 1
+
+
 def test_bad_provider_name_is_refused_at_start(lab):
     host = lab.host("A")
     conf = host.dir / "bad-provider.conf"
