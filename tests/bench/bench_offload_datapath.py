@@ -37,20 +37,20 @@ from pathlib import Path
 from typing import TypeVar
 
 from flexmig.lab import endpoints, offload, traffic
-from flexmig.lab.host import LabHost
 from flexmig.lab.lab import Lab
 from ovs_ext.providers.base import FlowMatch, OffloadEntry
 from ovs_ext.providers.xdp.labctl import HostXdp
 from ovs_ext.providers.xdp.provider import BUILD_DIR, RX_PASS_OBJECT
+from tests.bench import host_cpu
 
 T = TypeVar("T")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+THIS_MODULE = "tests.bench.bench_offload_datapath"
 OFFLOAD_PATH = "provider direct (XdpProvider, ovs_ext.providers.xdp.ctl in each host)"
 UDP_PAYLOAD = 1472
 TCP, UDP = 6, 17
 DEFAULT_OUT = Path("docs/benchmarks/offload-datapath.md")
 RX_SINK_OBJECT = BUILD_DIR / "rx_sink.bpf.o"
-BACKGROUND_SAMPLE_S = 1.0
-NAPI_HELPER = Path(__file__).resolve().parent / "napi_threads.py"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,117 +113,6 @@ def onload_flows(lab: Lab, placements: list[Placement]) -> None:
         return
     for host in sorted({p.host for p in placements}):
         HostXdp(lab.host(host)).remove_batch([p.entry.match for p in placements if p.host == host])
-
-
-# -- CPU accounting --------------------------------------------------------------
-def _outer_pid(host: LabHost, pid_file: str) -> int:
-    """The machine's PID of a daemon whose pidfile holds its PID inside the host."""
-    inner = int(host.ns.root_path(pid_file).read_text())
-    pid_ns = Path(f"/proc/{host.ns.holder_pid}/ns/pid").readlink()
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if (proc / "ns/pid").readlink() != pid_ns:
-                continue
-            nspid = next(
-                line
-                for line in (proc / "status").read_text().splitlines()
-                if line.startswith("NSpid")
-            )
-        except (OSError, StopIteration):
-            continue
-        if int(nspid.split()[-1]) == inner:
-            return int(proc.name)
-    raise RuntimeError(f"no process for {pid_file} on host {host.name}")
-
-
-def _proc_cpu_s(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / 100.0  # utime + stime, USER_HZ
-
-
-def _softirq_s() -> float:
-    cpu = Path("/proc/stat").read_text().splitlines()[0].split()
-    return int(cpu[7]) / 100.0
-
-
-def napi_threads(netns: str, ifnames: list[str]) -> list[int]:
-    """PIDs of the NAPI kthreads of interfaces in a namespace (see napi_threads.py)."""
-    out = subprocess.run(
-        ["ip", "netns", "exec", netns, sys.executable, str(NAPI_HELPER), *ifnames],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=30,
-    ).stdout
-    return [pid for pids in json.loads(out).values() for pid in pids]
-
-
-class CpuMeter:
-    """Host CPU of a switch path, in % of one core.
-
-    Host: ovs-vswitchd of the given hosts, the machine's softirq time, and
-    the NAPI kthreads of the hosts' ports (``port_threads``) where the
-    eSwitch runs.  Apart, as the guests' own: the endpoints' eth0 NAPI
-    kthreads (``guest_threads``, their receive stacks: a VM's vCPU work).
-    Threads are named by the kernel per interface (napi_threads.py), so
-    another lab's busy ports are never counted as ours.
-    """
-
-    def __init__(
-        self, hosts: list[LabHost], port_threads: list[int], guest_threads: list[int]
-    ) -> None:
-        self.pids = [_outer_pid(h, "/run/openvswitch/ovs-vswitchd.pid") for h in hosts]
-        self.napi_pids, self.guest_pids = port_threads, guest_threads
-
-    def __enter__(self) -> CpuMeter:
-        # The machine's softirq includes other labs' traffic: sample it idle first.
-        idle0, t_idle = _softirq_s(), time.monotonic()
-        time.sleep(BACKGROUND_SAMPLE_S)
-        self.background_pct = 100 * (_softirq_s() - idle0) / (time.monotonic() - t_idle)
-        self.t0, self.ovs0, self.irq0 = time.monotonic(), self._ovs(), _softirq_s()
-        self.napi0, self.guest0 = _cpu_of(self.napi_pids), _cpu_of(self.guest_pids)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        wall = time.monotonic() - self.t0
-        self.ovs_pct = 100 * (self._ovs() - self.ovs0) / wall
-        self.softirq_pct = 100 * (_softirq_s() - self.irq0) / wall
-        self.napi_pct = 100 * _delta(self.napi0, _cpu_of(self.napi_pids)) / wall
-        self.guest_napi_pct = 100 * _delta(self.guest0, _cpu_of(self.guest_pids)) / wall
-
-    @property
-    def host_pct(self) -> float:
-        return self.ovs_pct + self.softirq_pct + self.napi_pct
-
-    @property
-    def net_host_pct(self) -> float:
-        """Host CPU less the softirq the machine spent just before, with no traffic of ours."""
-        return self.ovs_pct + max(0.0, self.softirq_pct - self.background_pct) + self.napi_pct
-
-    def _ovs(self) -> float:
-        return sum(_proc_cpu_s(p) for p in self.pids)
-
-
-def _guest_threads(eps: list[endpoints.Endpoint]) -> list[int]:
-    return [pid for ep in eps for pid in napi_threads(ep.netns, [endpoints.ENDPOINT_IF])]
-
-
-def _cpu_of(pids: list[int]) -> dict[int, float]:
-    """CPU seconds so far of each thread still alive."""
-    seconds = {}
-    for pid in pids:
-        try:
-            seconds[pid] = _proc_cpu_s(pid)
-        except OSError:
-            pass  # gone (its device was deleted)
-    return seconds
-
-
-def _delta(before: dict[int, float], after: dict[int, float]) -> float:
-    """CPU used in between by the threads alive at both ends (never negative)."""
-    return sum(after[pid] - before[pid] for pid in before.keys() & after.keys())
 
 
 # -- (a) packet rate ----------------------------------------------------------------
@@ -299,10 +188,10 @@ def packet_rate(
         xdp.attach(*ports)
     if mode == "offloaded":
         offload_flows(lab, placements)
-    meter = CpuMeter(
+    meter = host_cpu.CpuMeter(
         [lab.host("A")],
-        napi_threads(lab.host("A").spec.netns, [src.port, dst.port]),
-        _guest_threads([src, dst]),
+        host_cpu.napi_threads(lab.host("A").spec.netns, [src.port, dst.port]),
+        host_cpu.guest_threads([src, dst]),
     )
     try:
         if sink == "xdp":
@@ -431,8 +320,12 @@ def stream_row(
             xdp_b.attach(*b_ports)
         offload_flows(lab, placements)
     try:
-        port_threads = napi_threads(a.spec.netns, a_ports) + napi_threads(b.spec.netns, b_ports)
-        meter = CpuMeter([a, b], port_threads, _guest_threads([*senders, *receivers]))
+        port_threads = host_cpu.napi_threads(a.spec.netns, a_ports) + host_cpu.napi_threads(
+            b.spec.netns, b_ports
+        )
+        meter = host_cpu.CpuMeter(
+            [a, b], port_threads, host_cpu.guest_threads([*senders, *receivers])
+        )
         with meter as cpu:
             if proto == "tcp":
                 gbps = run_tcp_streams(senders, receivers, args.duration)
@@ -467,7 +360,7 @@ def _cpu_now() -> float:
     total = time.process_time()
     for children in Path("/proc/self/task").glob("*/children"):
         for pid in children.read_text().split():
-            total += _cpu_of([int(pid)]).get(int(pid), 0.0)
+            total += host_cpu.cpu_of([int(pid)]).get(int(pid), 0.0)
     return total
 
 
@@ -546,9 +439,9 @@ def _inline_polls(entries: list[OffloadEntry]) -> list[tuple[dict, float, float]
 
 def scale(lab: Lab, flows: int, a1, a2) -> dict[str, float]:
     proc = lab.host("A").ns.run(
-        # By path: nsenter starts the command outside this checkout's directory.
-        [sys.executable, str(Path(__file__).resolve()), "--scale-inside",
-         "--flows", str(flows), "--in-port", a1.port, "--out-port", a2.port],
+        # nsenter starts the command outside this checkout: name it on PYTHONPATH.
+        ["env", f"PYTHONPATH={REPO_ROOT}", sys.executable, "-m", THIS_MODULE,
+         "--scale-inside", "--flows", str(flows), "--in-port", a1.port, "--out-port", a2.port],
         timeout=600,
     )  # fmt: skip
     return json.loads(proc.stdout)
@@ -684,7 +577,7 @@ def _stream_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         "of hosts A and B + the machine's softirq time + the NAPI threads of the br-int "
         "ports and phy0 (where the eSwitch runs), in % of one core. The machine's softirq "
         "also carries other labs' traffic: it was sampled for "
-        f"{BACKGROUND_SAMPLE_S:g} s with no traffic of ours just before each row "
+        f"{host_cpu.BACKGROUND_SAMPLE_S:g} s with no traffic of ours just before each row "
         '("bg"), and the net columns subtract it. The endpoints\' eth0 NAPI threads (their '
         "receive stacks: a guest's vCPU work) are shown apart, not in host CPU.",
         "",
