@@ -389,5 +389,7 @@ def attach_rx_pass(ifname: str, netns: str | None = None) -> None:
 
 
 def list_opts() -> list[tuple[str, list[cfg.Opt]]]:
-    """For oslo-config-generator (``flexmig.offload_xdp``)."""
-    return [("offload_xdp", CONFIG_OPTS)]
+    """For oslo-config-generator (``flexmig.offload_xdp``): ours and the privsep daemon's."""
+    from oslo_privsep import priv_context
+
+    return [("offload_xdp", CONFIG_OPTS), (privileged.eswitch.cfg_section, priv_context.OPTS)]
