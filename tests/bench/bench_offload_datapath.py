@@ -36,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from flexmig.lab import endpoints, offload, traffic
+from flexmig.lab import endpoints, offload, topology, traffic
 from flexmig.lab.lab import Lab
 from ovs_ext.providers.base import FlowMatch, OffloadEntry
 from ovs_ext.providers.xdp.labctl import HostXdp
@@ -323,8 +323,12 @@ def stream_row(
         port_threads = host_cpu.napi_threads(a.spec.netns, a_ports) + host_cpu.napi_threads(
             b.spec.netns, b_ports
         )
+        fabric_ifs = [a.spec.fabric_tenant_if, b.spec.fabric_tenant_if]
         meter = host_cpu.CpuMeter(
-            [a, b], port_threads, host_cpu.guest_threads([*senders, *receivers])
+            [a, b],
+            port_threads,
+            host_cpu.guest_threads([*senders, *receivers]),
+            host_cpu.napi_threads(topology.FABRIC_NETNS, fabric_ifs),
         )
         with meter as cpu:
             if proto == "tcp":
@@ -345,6 +349,7 @@ def stream_row(
         "softirq_pct": cpu.softirq_pct,
         "napi_pct": cpu.napi_pct,
         "guest_napi_pct": cpu.guest_napi_pct,
+        "fabric_napi_pct": cpu.fabric_napi_pct,
         "napi_threads": len(cpu.napi_pids),
         "softirq_background_pct": cpu.background_pct,
         "cpu_per_gbps": cpu.host_pct / gbps if gbps > 0 else float("inf"),
@@ -583,8 +588,8 @@ def _stream_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
         "",
         "| proto | N | path | Gbit/s | ovs-vswitchd % | softirq % (bg) | port NAPI % | "
         "host CPU %/Gbit/s | offload/onload | net CPU %/Gbit/s | net offload/onload | "
-        "guests' eth0 NAPI % | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "guests' eth0 NAPI % | fabric NAPI % | load avg |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     onload = {(r["proto"], r["streams"]): r for r in rows if not r["offload"]}
     for r in rows:
@@ -598,7 +603,7 @@ def _stream_table(rows: list[dict], args: argparse.Namespace) -> list[str]:
             f"{r['gbps']:.2f} | {r['ovs_pct']:.0f} | {r['softirq_pct']:.0f} "
             f"({r['softirq_background_pct']:.0f}) | {r['napi_pct']:.0f} | "
             f"{r['cpu_per_gbps']:.0f} | {ratio} | {r['net_cpu_per_gbps']:.0f} | {net_ratio} | "
-            f"{r['guest_napi_pct']:.0f} | {r['loadavg']:.1f} |"
+            f"{r['guest_napi_pct']:.0f} | {r['fabric_napi_pct']:.0f} | {r['loadavg']:.1f} |"
         )
     return lines
 

@@ -69,16 +69,22 @@ class CpuMeter:
     Host: ovs-vswitchd of the given hosts, the machine's softirq time, and
     the NAPI kthreads of the hosts' ports (``port_threads``) where the
     eSwitch runs.  Apart, as the guests' own: the endpoints' eth0 NAPI
-    kthreads (``guest_threads``, their receive stacks: a VM's vCPU work).
+    kthreads (``guest_threads``, their receive stacks: a VM's vCPU work);
+    and the fabric's (``fabric_threads``: the physical network's forwarding).
     Threads are named by the kernel per interface (napi_threads.py), so
     another lab's busy ports are never counted as ours.
     """
 
     def __init__(
-        self, hosts: list[LabHost], port_threads: list[int], guest_threads: list[int]
+        self,
+        hosts: list[LabHost],
+        port_threads: list[int],
+        guest_threads: list[int],
+        fabric_threads: list[int] | None = None,
     ) -> None:
         self.pids = [outer_pid(h, "/run/openvswitch/ovs-vswitchd.pid") for h in hosts]
         self.napi_pids, self.guest_pids = port_threads, guest_threads
+        self.fabric_pids = fabric_threads or []
 
     def __enter__(self) -> CpuMeter:
         # The machine's softirq includes other labs' traffic: sample it idle first.
@@ -87,6 +93,7 @@ class CpuMeter:
         self.background_pct = 100 * (_softirq_s() - idle0) / (time.monotonic() - t_idle)
         self.t0, self.ovs0, self.irq0 = time.monotonic(), self._ovs(), _softirq_s()
         self.napi0, self.guest0 = cpu_of(self.napi_pids), cpu_of(self.guest_pids)
+        self.fabric0 = cpu_of(self.fabric_pids)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -95,6 +102,7 @@ class CpuMeter:
         self.softirq_pct = 100 * (_softirq_s() - self.irq0) / wall
         self.napi_pct = 100 * _delta(self.napi0, cpu_of(self.napi_pids)) / wall
         self.guest_napi_pct = 100 * _delta(self.guest0, cpu_of(self.guest_pids)) / wall
+        self.fabric_napi_pct = 100 * _delta(self.fabric0, cpu_of(self.fabric_pids)) / wall
 
     @property
     def host_pct(self) -> float:
