@@ -8,7 +8,7 @@ import sys
 import time
 
 from flexmig import exceptions, migrate_cli
-from flexmig.lab import image, vm
+from flexmig.lab import endpoint_cli, image, vm
 from flexmig.lab.lab import Lab
 from flexmig.progress import MigrationProgress
 
@@ -282,6 +282,7 @@ def _add_lab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         func=cmd_image_build
     )
     _add_vm_parser(lab)
+    endpoint_cli.add_parser(lab)
     host = lab.add_parser("host", help="lab hosts").add_subparsers(required=True)
     budget = host.add_parser("budget", help="RAM a host's agent offers VMs")
     budget.add_argument("host")

@@ -90,6 +90,9 @@ install_python
 fetch_nova_api_paste
 log "building the data mover"
 make -s -C agents/mover
+log "building the XDP eSwitch and the lab's packet generator"
+make -s -C ovs_ext/providers/xdp
+make -s -C flexmig/lab/traffic
 log "building the guest image"
 .venv/bin/flexmig lab image build >/dev/null
 log "ready"

@@ -62,6 +62,30 @@ def connect_host(spec: HostSpec) -> None:
         _in_host(spec, "ethtool", "-K", host_if, "tx", "off")
     addr = f"{spec.mgmt_ip}/{topology.MGMT_NET.prefixlen}"
     _in_host(spec, "ip", "addr", "replace", addr, "dev", topology.HOST_MGMT_IF)
+    accept_xdp_redirects(spec)
+
+
+def accept_xdp_redirects(spec: HostSpec) -> None:
+    """Let frames the host's XDP fast path redirects out of phy0 reach the fabric.
+
+    A veth hands a redirected frame to its peer's XDP ring, which exists only
+    while the peer has an XDP program: the fabric side gets an XDP_PASS one.
+    Skipped when the eSwitch is not built (the lab works without it).
+    """
+    from ovs_ext.providers.xdp import provider  # optional part of the lab
+
+    if provider.RX_PASS_OBJECT.is_file():
+        provider.attach_rx_pass(spec.fabric_tenant_if, topology.FABRIC_NETNS)
+        # The fabric stands in for the physical network: its forwarding runs in
+        # its own NAPI thread, so it is not charged to the hosts' softirq.
+        commands.run(
+            [
+                *("ip", "netns", "exec", topology.FABRIC_NETNS, "tee"),
+                f"/sys/class/net/{spec.fabric_tenant_if}/threaded",
+            ],
+            input_text="1",
+            check=False,
+        )
 
 
 def down_fabric() -> None:

@@ -8,7 +8,7 @@ import uuid
 from pathlib import Path
 
 from flexmig import exceptions
-from flexmig.lab import commands, daemon_config, emulator, image, netns, topology
+from flexmig.lab import commands, daemon_config, emulator, image, netns, offload, topology
 from flexmig.lab.topology import HostSpec
 
 OVS_SCHEMA = "/usr/share/openvswitch/vswitch.ovsschema"
@@ -66,6 +66,7 @@ class LabHost:
         self._start_ovs()
         self._start_libvirt()
         self.start_agent()
+        offload.start_if_available(self)
 
     def write_agent_conf(self, key_file: Path, memory_budget_mb: int) -> None:
         (self.dir / "agent.conf").write_text(
@@ -226,6 +227,7 @@ class LabHost:
             "daemons": {
                 **{d: (alive and self._pid_alive(p)) for d, p in daemons.items()},
                 "flexmig-agent": agent,
+                "flexmig-offload": alive and offload.running(self),
             },
         }
 

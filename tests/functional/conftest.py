@@ -72,6 +72,8 @@ def _belongs_to(lab: Lab, pid: int, cmdline: str) -> bool:
     inode = _netns_inode(f"/proc/{pid}/ns/net")
     if inode is None:
         return False
+    # The machine's namespace is the test runner's own: /proc/1 may be unreadable
+    # (a sandboxed PID 1), and then every other lab's recorder looked like ours.
     if inode == _netns_inode("/proc/self/ns/net"):
         return f"{lab.dir}/" in cmdline
     others = {

@@ -1,0 +1,287 @@
+"""The os-ken OpenFlow 1.3 application controlling one bridge (br-int).
+
+Modelled on Neutron's native OpenFlow agent: pinned to OpenFlow 1.3, every rule
+it installs carries a cookie under :data:`~ovs_ext.flows.COOKIE_MASK` so it
+knows what it owns (and deletes exactly that at start and at exit).  It does
+the OpenFlow I/O only; every decision is :class:`~ovs_ext.control.OffloadControl`'s.
+
+Threads: os-ken's native hub runs this app's event loop (packet-ins, port
+changes, stats replies) in one thread and the poller in another; both take
+``runtime.lock`` before touching the control state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from os_ken.base import app_manager
+from os_ken.controller import ofp_event
+from os_ken.controller.handler import CONFIG_DISPATCHER, MAIN_DISPATCHER, set_ev_cls
+from os_ken.lib import hub
+from os_ken.ofproto import ofproto_v1_3
+
+from ovs_ext import flows, openflow
+from ovs_ext.control import OffloadControl
+from ovs_ext.providers.base import FlowCounters, OffloadError
+
+LOG = logging.getLogger("flexmig.ovs_ext.app")
+# A stats request unanswered this many intervals is given up and re-sent.
+STATS_REPLY_PATIENCE = 20
+STATUS_EVERY_POLL_UP_TO = 10_000  # flows
+
+
+@dataclasses.dataclass
+class Runtime:
+    """What the service hands the app: the control core and its settings."""
+
+    control: OffloadControl
+    bridge: str
+    poll_interval: float
+    status_file: str = ""
+    datapath_id: int | None = None  # the bridge's; other switches are refused
+    lock: threading.RLock = dataclasses.field(default_factory=threading.RLock)
+    stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
+    connected: threading.Event = dataclasses.field(default_factory=threading.Event)
+    app: OffloadApp | None = None
+
+
+class OffloadApp(app_manager.OSKenApp):
+    OFP_VERSIONS = [ofproto_v1_3.OFP_VERSION]
+
+    def __init__(self, *args: Any, offload_runtime: Runtime, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.rt = offload_runtime
+        self.rt.app = self
+        self.datapath: Any = None
+        self.port_names: dict[int, str] = {}
+        self.port_numbers: dict[str, int] = {}
+        self.mac_ports: dict[str, str] = {}
+        self._stats_parts: dict[int, FlowCounters] = {}
+        self._stats_sent_at: float | None = None
+        self._barrier_done = threading.Event()
+        self._polls = 0
+        self._poller = hub.spawn(self._poll_loop)
+
+    # -- switch connection ---------------------------------------------------------
+    @set_ev_cls(ofp_event.EventOFPSwitchFeatures, CONFIG_DISPATCHER)
+    def _switch_features(self, ev: Any) -> None:
+        dp = ev.msg.datapath
+        if self.rt.datapath_id is not None and dp.id != self.rt.datapath_id:
+            LOG.warning("refusing switch %016x: not bridge %s", dp.id, self.rt.bridge)
+            dp.close()
+            return
+        LOG.info("bridge %s connected (datapath %016x)", self.rt.bridge, dp.id)
+        self._forget_bridge_state()
+        self.datapath = dp
+        # Rules of an earlier run or connection are stale: their flows are forgotten.
+        self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto))
+        self.send(openflow.table_miss_rule(dp.ofproto_parser, dp.ofproto))
+        self.send(dp.ofproto_parser.OFPPortDescStatsRequest(dp, 0))
+        self.rt.connected.set()
+
+    def _forget_bridge_state(self) -> None:
+        """A (re)connection starts from nothing: the rules are deleted below, so
+        every tracked flow and offload entry goes too, and ports are relearnt."""
+        with self.rt.lock:
+            control = self.rt.control
+            for port in sorted(
+                control.dispatchers.fast_path_ports | set(control.dispatchers.by_port)
+            ):
+                control.port_removed(port)
+        self.port_names.clear()
+        self.port_numbers.clear()
+        self.mac_ports.clear()
+        self._stats_sent_at = None
+
+    @set_ev_cls(ofp_event.EventOFPPortDescStatsReply, MAIN_DISPATCHER)
+    def _port_desc(self, ev: Any) -> None:
+        if ev.msg.datapath is not self.datapath:
+            return
+        for port in ev.msg.body:
+            self._port_up(port.port_no, _name(port.name))
+
+    @set_ev_cls(ofp_event.EventOFPPortStatus, MAIN_DISPATCHER)
+    def _port_status(self, ev: Any) -> None:
+        msg = ev.msg
+        if msg.datapath is not self.datapath:
+            return
+        ofproto = msg.datapath.ofproto
+        name = _name(msg.desc.name)
+        if msg.reason == ofproto.OFPPR_DELETE:
+            self._port_down(msg.desc.port_no, name)
+        else:
+            self._port_up(msg.desc.port_no, name)
+
+    def _port_up(self, ofport: int, name: str) -> None:
+        if ofport >= ofproto_v1_3.OFPP_MAX or self.port_names.get(ofport) == name:
+            return
+        self.port_names[ofport] = name
+        self.port_numbers[name] = ofport
+        with self.rt.lock:
+            dispatchers = self.rt.control.dispatchers
+            if not dispatchers.watches(name):
+                return
+            self.rt.control.port_added(name)
+        dp = self.datapath
+        for mod in openflow.discovery_rules(dp.ofproto_parser, dp.ofproto, ofport):
+            self.send(mod)
+        LOG.info("watching port %s (ofport %d)", name, ofport)
+
+    def _port_down(self, ofport: int, name: str) -> None:
+        self.port_names.pop(ofport, None)
+        self.port_numbers.pop(name, None)
+        with self.rt.lock:
+            gone = self.rt.control.port_removed(name)
+        dp = self.datapath
+        for flow in gone:
+            self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto, flow.cookie, 2**64 - 1))
+        self.mac_ports = {mac: port for mac, port in self.mac_ports.items() if port != name}
+        LOG.info("port %s left the bridge; %d flows dropped", name, len(gone))
+
+    # -- flow setup: the first packet is judged here -----------------------------------
+    @set_ev_cls(ofp_event.EventOFPPacketIn, MAIN_DISPATCHER)
+    def _packet_in(self, ev: Any) -> None:
+        msg = ev.msg
+        dp = msg.datapath
+        if dp is not self.datapath:
+            return
+        in_ofport = msg.match["in_port"]
+        in_port = self.port_names.get(in_ofport)
+        parsed = openflow.parse_packet(msg.data)
+        if parsed is None or in_port is None:
+            return
+        self.mac_ports[parsed.eth_src] = in_port
+        if parsed.eth_type == openflow.ETH_TYPE_ARP:
+            return  # learnt; the rule's NORMAL action already forwarded it
+        match = openflow.flow_match(in_port, parsed)
+        if match is not None:
+            out_port = self.mac_ports.get(parsed.eth_dst) or self._fdb_port(parsed.eth_dst)
+            with self.rt.lock:
+                flow, new = self.rt.control.flow_seen(match, out_port)
+                self.rt.control.flows.count_packet_in(match, msg.total_len)
+            if new:
+                rule = openflow.flow_rule(
+                    dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match
+                )
+                self.send(rule)
+        # The discovery rule only sent it here: forward it as the bridge would.
+        self.send(openflow.packet_out_normal(dp.ofproto_parser, dp.ofproto, in_ofport, msg.data))
+
+    def _fdb_port(self, mac: str) -> str | None:
+        """Where the bridge's own MAC learning put ``mac`` (hosts whose ARP
+        entries predate the app never ARP through it)."""
+        try:
+            proc = subprocess.run(
+                ["ovs-appctl", "--timeout=2", "fdb/show", self.rt.bridge],
+                capture_output=True,
+                text=True,
+                timeout=3,
+                check=False,
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            LOG.warning("fdb/show %s: %s", self.rt.bridge, exc)
+            return None
+        for ofport, learned_mac in openflow.parse_fdb(proc.stdout):
+            name = self.port_names.get(ofport)
+            if name is not None:
+                self.mac_ports.setdefault(learned_mac, name)
+        return self.mac_ports.get(mac)
+
+    # -- statistics ------------------------------------------------------------------
+    def _poll_loop(self) -> None:
+        while not self.rt.stopping.is_set():
+            started = time.monotonic()
+            try:
+                self._request_stats()
+            except Exception:
+                LOG.exception("statistics poll failed")
+            self.rt.stopping.wait(max(0.0, self.rt.poll_interval - (time.monotonic() - started)))
+
+    def _request_stats(self) -> None:
+        dp = self.datapath
+        if dp is None:
+            return
+        sent = self._stats_sent_at
+        patience = STATS_REPLY_PATIENCE * self.rt.poll_interval
+        if sent is not None and time.monotonic() - sent < patience:
+            return  # the previous poll is still being answered
+        self._stats_parts = {}
+        self._stats_sent_at = time.monotonic()
+        self.send(openflow.owned_stats_request(dp.ofproto_parser, dp.ofproto))
+
+    @set_ev_cls(ofp_event.EventOFPFlowStatsReply, MAIN_DISPATCHER)
+    def _flow_stats(self, ev: Any) -> None:
+        msg = ev.msg
+        if msg.datapath is not self.datapath:
+            return
+
+        for stat in msg.body:
+            flow_id = flows.cookie_flow_id(stat.cookie)
+            if flow_id is not None:
+                self._stats_parts[flow_id] = FlowCounters(stat.packet_count, stat.byte_count)
+        if msg.flags & msg.datapath.ofproto.OFPMPF_REPLY_MORE:
+            return
+        rule_stats, self._stats_parts = self._stats_parts, {}
+        self._stats_sent_at = None
+        with self.rt.lock:
+            control = self.rt.control
+            try:
+                provider_stats = control.provider.stats()
+            except OffloadError as exc:
+                LOG.error("provider %s statistics: %s", control.provider_name, exc)
+                provider_stats = {}
+            report = control.poll(rule_stats, provider_stats)
+            self._polls += 1
+            # Every poll while small; a big table is rewritten less often.
+            every = 1 if len(control.flows) <= STATUS_EVERY_POLL_UP_TO else 10
+            if self.rt.status_file and self._polls % every == 0:
+                _write_json(self.rt.status_file, control.status())
+        dp = msg.datapath
+        for flow in report.expired:
+            exact = openflow.delete_owned(dp.ofproto_parser, dp.ofproto, flow.cookie, 2**64 - 1)
+            self.send(exact)
+
+    # -- helpers ------------------------------------------------------------------------
+    def send(self, msg: Any) -> None:
+        dp = self.datapath
+        if dp is None:
+            return
+        msg.datapath = dp
+        dp.send_msg(msg)
+
+    def ofport_of(self, name: str | None) -> int | None:
+        return None if name is None else self.port_numbers.get(name)
+
+    def remove_judging_rules(self, timeout: float) -> bool:
+        """At exit: every flow back to the NORMAL table-miss rule; True once OVS confirmed."""
+        dp = self.datapath
+        if dp is None:
+            return False
+        self._barrier_done.clear()
+        for mod in openflow.delete_judging_rules(dp.ofproto_parser, dp.ofproto):
+            self.send(mod)
+        self.send(dp.ofproto_parser.OFPBarrierRequest(dp))
+        return self._barrier_done.wait(timeout)
+
+    @set_ev_cls(ofp_event.EventOFPBarrierReply, MAIN_DISPATCHER)
+    def _barrier_reply(self, ev: Any) -> None:
+        self._barrier_done.set()
+
+
+def _name(raw: bytes | str) -> str:
+    return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+
+
+def _write_json(path: str, data: object) -> None:
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(target)

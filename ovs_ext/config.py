@@ -1,0 +1,128 @@
+"""flexmig-offload options (oslo.config), group ``[offload]``.
+
+``oslo-config-generator --namespace flexmig.offload`` prints them with their
+help.  Providers carry their own options under ``[offload_<name>]``.
+"""
+
+from __future__ import annotations
+
+from oslo_config import cfg
+
+GROUP = "offload"
+PROVIDER_NAMESPACE = "flexmig.offload_providers"
+
+offload_opts = [
+    cfg.StrOpt(
+        "provider",
+        default="xdp",
+        choices=[
+            ("xdp", "XDP/eBPF eSwitch on the VM ports and uplink (any Linux host)"),
+            ("tc-flower", "tc flower rules with skip_sw on switchdev VF representors"),
+            ("noop", "reference provider: offloads nothing (every install refused)"),
+        ],
+        help="Offload provider (entry point in flexmig.offload_providers) that "
+        "carries offloaded flows.",
+    ),
+    cfg.StrOpt(
+        "policy_file",
+        default="/etc/flexmig/offload-policy.yaml",
+        help="YAML policy: header rules, statistics rule and offload capacity "
+        "(see ovs_ext/policy.py). Re-read on SIGHUP; an invalid file is "
+        "rejected whole and the running policy stays.",
+    ),
+    cfg.StrOpt(
+        "bridge",
+        default="br-int",
+        regex=r"^[A-Za-z0-9_.-]{1,15}$",
+        help="Integration bridge whose VM ports and uplinks the app controls.",
+    ),
+    cfg.FloatOpt(
+        "poll_interval",
+        default=0.1,
+        min=0.02,
+        max=60.0,
+        help="Seconds between flow-statistics polls (OpenFlow rules and the "
+        "provider). Bounds promotion latency and how stale shown counters are.",
+    ),
+    cfg.IPOpt(
+        "controller_address",
+        default="127.0.0.1",
+        help="Address the OpenFlow controller listens on; the bridge connects "
+        "to tcp:<address>:<port>. Keep it a loopback address: only the local "
+        "bridge should reach it (connections from any other datapath id are "
+        "refused). os-ken cannot serve a UNIX socket (it sets TCP_NODELAY).",
+    ),
+    cfg.PortOpt(
+        "controller_port",
+        default=6653,
+        help="TCP port of the OpenFlow controller (6653: OpenFlow's IANA port; "
+        "Neutron's native agent uses 6633).",
+    ),
+    cfg.BoolOpt(
+        "configure_bridge",
+        default=True,
+        help="At start, point the bridge's controller at this app with "
+        "fail-mode standalone (the bridge keeps switching if the app dies) and "
+        "allow OpenFlow 1.0 and 1.3 (the app speaks 1.3 only).",
+    ),
+    cfg.FloatOpt(
+        "flow_idle_timeout",
+        default=300.0,
+        min=0.0,
+        max=86400.0,
+        help="Seconds without a packet (onloaded or offloaded) after which a flow "
+        "is forgotten: its OpenFlow rule and offload entry are removed and its "
+        "next packet starts a new flow. 0: never.",
+    ),
+    cfg.IntOpt(
+        "ovs_revalidator_ms",
+        default=0,
+        min=0,
+        max=60_000,
+        help="With configure_bridge, set ovs-vswitchd's other_config:max-revalidator "
+        "(ms): how often OVS pushes datapath counters into OpenFlow rules, which "
+        "bounds how soon a statistics rule sees an elephant (OVS's default 500 ms "
+        "gives ~0.5 s; 100 ms meets a 200 ms promotion target at some vswitchd "
+        "CPU). 0 leaves OVS's setting alone. It is switch-wide.",
+    ),
+    cfg.StrOpt(
+        "stats_endpoint",
+        default="/var/run/openvswitch/br-int-offload.mgmt",
+        help="UNIX socket of the OpenFlow statistics endpoint. In OVS's rundir "
+        "with a .mgmt suffix, 'ovs-ofctl dump-flows br-int-offload' finds it "
+        "by name. Empty: no endpoint. Its other settings (socket mode, "
+        "connections, idle timeout) are in [openflow_stats].",
+    ),
+    cfg.StrOpt(
+        "status_file",
+        default="/run/flexmig/offload-status.json",
+        help="JSON written every poll: each flow's state, counters and the "
+        "reason it is onloaded or offloaded. Empty: not written.",
+    ),
+    cfg.ListOpt(
+        "vm_port_patterns",
+        default=[r"tap\d+", r"ep-[a-z0-9]+"],
+        help="Regular expressions (whole name) of VM ports: each gets a "
+        "dispatcher. QEMU taps and the lab's traffic endpoints by default.",
+    ),
+    cfg.ListOpt(
+        "uplinks",
+        default=["phy0"],
+        help="Uplink ports: their flows towards VMs are the VMs' ingress flows.",
+    ),
+]
+
+
+def register_opts(conf: cfg.ConfigOpts) -> None:
+    conf.register_opts(offload_opts, group=GROUP)
+
+
+def validate(conf: cfg.ConfigOpts) -> None:
+    """Read every option once: oslo.config checks types and bounds on access, and a
+    bad value must stop the start before anything is touched."""
+    for opt in offload_opts:
+        getattr(conf[GROUP], opt.dest)
+
+
+def list_opts() -> list[tuple[str, list[cfg.Opt]]]:
+    return [(GROUP, offload_opts)]

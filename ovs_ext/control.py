@@ -1,0 +1,295 @@
+"""The offload control loop: setup decisions, statistics polls, moves.
+
+It joins the Policy Manager (pure decisions), the Flow Manager (state and
+counters) and the per-VM dispatchers (provider calls).  The OpenFlow app calls
+it from its event handlers with plain data — a new flow, the counters of the
+rules it owns — and does the OpenFlow I/O itself, so this runs unchanged in
+unit tests against a fake provider.  Callers serialise calls (one lock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from collections.abc import Callable, Mapping
+
+from ovs_ext import policy as policy_mod
+from ovs_ext.dispatcher import Dispatchers
+from ovs_ext.flows import FlowManager, FlowState, TrackedFlow
+from ovs_ext.providers.base import FlowCounters, FlowMatch, OffloadEntry, OffloadProvider
+
+LOG = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class PollReport:
+    promoted: tuple[FlowMatch, ...] = ()
+    demoted: tuple[FlowMatch, ...] = ()
+    evicted: tuple[FlowMatch, ...] = ()
+    refused: Mapping[FlowMatch, str] = dataclasses.field(default_factory=dict)
+    expired: tuple[TrackedFlow, ...] = ()  # forgotten: the app deletes their rules
+
+
+class OffloadControl:
+    def __init__(
+        self,
+        policy: policy_mod.Policy,
+        provider: OffloadProvider,
+        provider_name: str,
+        dispatchers: Dispatchers,
+        flows: FlowManager | None = None,
+        wall_clock: Callable[[], float] = time.time,
+        idle_timeout: float = 0.0,
+    ) -> None:
+        self.policy = policy
+        self.provider = provider
+        self.provider_name = provider_name
+        self.dispatchers = dispatchers
+        self.flows = flows if flows is not None else FlowManager()
+        self.wall_clock = wall_clock
+        self.idle_timeout = idle_timeout  # 0: flows are never forgotten
+        self.provider_capacity = provider.describe().capacity
+
+    @property
+    def capacity(self) -> int:
+        return min(self.policy.capacity, self.provider_capacity)
+
+    # -- policy -------------------------------------------------------------------
+    def replace_policy(self, policy: policy_mod.Policy) -> PollReport:
+        """Switch to an already-validated policy and apply it to the flows there are.
+
+        Header rules are re-judged for every tracked flow (a new offload rule
+        takes its flows, a removed or onload rule gives them back); a smaller
+        capacity evicts the slowest.
+        """
+        self.policy = policy
+        to_offload: list[tuple[TrackedFlow, float, bool]] = []
+        to_onload: list[FlowMatch] = []
+        for flow in self.flows:
+            if not flow.owner:
+                continue
+            was = flow.setup
+            flow.setup = policy_mod.decide_at_setup(policy, flow.match, flow.owner, flow.direction)
+            offloaded = flow.state is FlowState.OFFLOADED
+            if flow.setup.offload and not offloaded:
+                to_offload.append((flow, float("inf"), True))
+            elif offloaded and (
+                flow.setup.pinned_onload or (was.offload and not flow.setup.offload)
+            ):
+                to_onload.append(flow.match)
+            elif flow.setup.pinned_onload:
+                flow.reason = f"header rule {flow.setup.rule!r}: onload"
+        self._onload(tuple(to_onload), "policy reload: no header rule offloads it")
+        window = policy.statistics.window_s
+        excess = len(self.flows.offloaded()) + len(to_offload) - self.capacity
+        evicted: tuple[FlowMatch, ...] = ()
+        if excess > 0 and not to_offload:
+            slowest = sorted(self.flows.offloaded(), key=lambda f: f.rate(window).pps)[:excess]
+            evicted = tuple(f.match for f in slowest)
+            self._onload(evicted, "evicted: policy capacity lowered")
+        admitted, more_evicted, refused = self._admit(to_offload, "header rule (policy reload)")
+        return PollReport(tuple(admitted), tuple(to_onload), evicted + tuple(more_evicted), refused)
+
+    # -- ports --------------------------------------------------------------------
+    def port_added(self, name: str) -> None:
+        self.dispatchers.port_added(name)
+
+    def port_removed(self, name: str) -> list[TrackedFlow]:
+        """A port left the bridge (VM stopped or migrated away): drop its flows."""
+        gone = self.flows.flows_of_port(name)
+        self._onload(
+            tuple(f.match for f in gone if f.state is FlowState.OFFLOADED), f"port {name} removed"
+        )
+        for flow in gone:
+            self.flows.forget(flow.match)
+        self.dispatchers.port_removed(name)
+        return gone
+
+    # -- flow setup ------------------------------------------------------------------
+    def flow_seen(self, match: FlowMatch, out_port: str | None) -> tuple[TrackedFlow, bool]:
+        """A new flow's first packet: track it and apply header rules.
+
+        Returns the flow and whether it is new (the app then installs its rule).
+        """
+        existing = self.flows.get(match)
+        if existing is not None:
+            if existing.out_port is None and out_port is not None:
+                existing.out_port = out_port
+            return existing, False
+        owners = self.dispatchers.owners(match, out_port)
+        if not owners:
+            setup = policy_mod.SetupDecision(None)
+            flow = self.flows.add(
+                match, owner="", direction=policy_mod.Direction.ANY, out_port=out_port, setup=setup
+            )
+            flow.reason = "no VM port: stays in the vSwitch"
+            return flow, True
+        # Each dispatcher judges by its own VM's rules; the first with a verdict
+        # owns the flow, else the sender's (or the only) one.
+        port, direction = owners[0]
+        setup = policy_mod.SetupDecision(None)
+        for candidate, candidate_direction in owners:
+            verdict = policy_mod.decide_at_setup(self.policy, match, candidate, candidate_direction)
+            if verdict.action is not None:
+                port, direction, setup = candidate, candidate_direction, verdict
+                break
+        flow = self.flows.add(
+            match, owner=port, direction=direction, out_port=out_port, setup=setup
+        )
+        if setup.offload:
+            self._admit([(flow, float("inf"), True)], f"header rule {setup.rule!r}")
+        elif setup.pinned_onload:
+            flow.reason = f"header rule {setup.rule!r}: onload"
+        else:
+            flow.reason = "onloaded at setup: no header rule matched"
+        return flow, True
+
+    # -- statistics --------------------------------------------------------------------
+    def poll(
+        self,
+        rule_stats: Mapping[int, FlowCounters],
+        provider_stats: Mapping[FlowMatch, FlowCounters],
+    ) -> PollReport:
+        """One statistics interval: update counters, then promote and demote."""
+        self.flows.observe_rule_stats(rule_stats)
+        self.flows.observe_provider_stats(provider_stats)
+        self.flows.sample()
+        expired = self._expire_idle()
+        rule = self.policy.statistics
+        if not rule.enabled:
+            return PollReport(expired=expired)
+        demote: list[FlowMatch] = []
+        candidates: list[tuple[TrackedFlow, float, bool]] = []
+        for flow in self.flows:
+            rate = flow.rate(rule.window_s)
+            if flow.state is FlowState.OFFLOADED:
+                flow.quiet_polls = policy_mod.next_quiet_count(rule, rate, flow.quiet_polls)
+                if policy_mod.should_demote(rule, flow.quiet_polls):
+                    demote.append(flow.match)
+            elif flow.owner and not flow.setup.pinned_onload:
+                if policy_mod.should_promote(rule, rate):
+                    candidates.append((flow, rate.pps, False))
+        self._onload(tuple(demote), "demoted: below the lower marks")
+        admitted, evicted, refused = self._admit(candidates, "promoted by statistics")
+        return PollReport(tuple(admitted), tuple(demote), tuple(evicted), refused, expired)
+
+    def _expire_idle(self) -> tuple[TrackedFlow, ...]:
+        """Forget flows idle for idle_timeout (an OpenFlow idle timeout cannot be
+        used: an offloaded flow's rule sees no packets while it is busy)."""
+        if self.idle_timeout <= 0:
+            return ()
+        idle = tuple(self.flows.idle_since(self.idle_timeout))
+        self._onload(
+            tuple(f.match for f in idle if f.state is FlowState.OFFLOADED), "idle: expired"
+        )
+        for flow in idle:
+            self.flows.forget(flow.match)
+            for dispatcher in self.dispatchers.by_port.values():
+                dispatcher.forget(flow.match)
+        return idle
+
+    def _admit(
+        self, candidates: list[tuple[TrackedFlow, float, bool]], reason: str
+    ) -> tuple[list[FlowMatch], list[FlowMatch], dict[FlowMatch, str]]:
+        """Offload what fits (evicting the slowest); refusals stay onloaded, with why."""
+        refused: dict[FlowMatch, str] = {}
+        eligible = []
+        for flow, rate, forced in candidates:
+            why_not = self.dispatchers.can_offload(flow.match, flow.out_port)
+            if why_not:
+                refused[flow.match] = why_not
+            else:
+                eligible.append((flow.match, rate, forced))
+        window = self.policy.statistics.window_s
+        table = {f.match: f.rate(window).pps for f in self.flows.offloaded()}
+        plan = policy_mod.plan_admission(self.capacity, table, eligible)
+        refused.update(plan.refused)
+        self._onload(plan.evicted, "evicted: slowest flow when the offload table was full")
+        installed = self._install(plan.admitted, reason, refused)
+        for match, why in refused.items():
+            flow = self.flows.get(match)
+            if flow is not None and flow.state is FlowState.ONLOADED:
+                if flow.reason != f"offload refused: {why}":
+                    LOG.warning("flow %s stays onloaded: %s", _fmt(match), why)
+                flow.reason = f"offload refused: {why}"
+        return installed, list(plan.evicted), refused
+
+    def _install(
+        self, matches: tuple[FlowMatch, ...], reason: str, refused: dict[FlowMatch, str]
+    ) -> list[FlowMatch]:
+        by_owner: dict[str, list[OffloadEntry]] = {}
+        for match in matches:
+            flow = self.flows.get(match)
+            if flow is None or flow.out_port is None:
+                continue
+            by_owner.setdefault(flow.owner, []).append(OffloadEntry(match, flow.out_port))
+        installed: list[FlowMatch] = []
+        now = self.wall_clock()
+        for owner, entries in by_owner.items():
+            result = self.dispatchers.by_port[owner].offload(entries)
+            for match in result.installed:
+                self.flows.mark_offloaded(match, reason, now)
+                LOG.info("flow %s offloaded (%s)", _fmt(match), reason)
+                installed.append(match)
+            for match, why in result.failed.items():
+                refused[match] = f"provider {self.provider_name}: {why}"
+        return installed
+
+    def _onload(self, matches: tuple[FlowMatch, ...], reason: str) -> None:
+        by_owner: dict[str, list[FlowMatch]] = {}
+        for match in matches:
+            flow = self.flows.get(match)
+            if flow is not None and flow.state is FlowState.OFFLOADED:
+                by_owner.setdefault(flow.owner, []).append(match)
+        for owner, owned in by_owner.items():
+            dispatcher = self.dispatchers.by_port.get(owner)
+            finals = dispatcher.onload(owned) if dispatcher else {}
+            for match in owned:
+                if dispatcher is not None and match in dispatcher.filter_table:
+                    continue  # the provider could not remove it: still offloaded
+                self.flows.mark_onloaded(match, finals.get(match), reason)
+                LOG.info("flow %s onloaded (%s)", _fmt(match), reason)
+
+    # -- what operators see ---------------------------------------------------------------
+    def status(self) -> dict[str, object]:
+        window = self.policy.statistics.window_s
+        flows = []
+        for flow in sorted(self.flows, key=lambda f: f.flow_id):
+            total, off = flow.total, flow.offloaded_counters
+            flows.append(
+                {
+                    "id": flow.flow_id,
+                    "match": dataclasses.asdict(flow.match),
+                    "owner": flow.owner,
+                    "direction": flow.direction.value,
+                    "out_port": flow.out_port,
+                    "state": flow.state.value,
+                    "reason": flow.reason,
+                    "packets": total.packets,
+                    "bytes": total.bytes,
+                    "offloaded_packets": off.packets,
+                    "offloaded_bytes": off.bytes,
+                    "pps": round(flow.rate(window).pps, 1),
+                    "offloaded_at": flow.offloaded_at,
+                    "moves": flow.moves,
+                }
+            )
+        return {
+            "provider": self.provider_name,
+            "policy": self.policy.source,
+            "header_rules": [rule.name for rule in self.policy.header_rules],
+            "capacity": self.capacity,
+            "offloaded": len(self.flows.offloaded()),
+            "ports": sorted(self.dispatchers.by_port),
+            "fast_path_ports": sorted(self.dispatchers.fast_path_ports),
+            "flows": flows,
+        }
+
+
+def _fmt(match: FlowMatch) -> str:
+    proto = "tcp" if match.ip_proto == 6 else "udp"
+    return (
+        f"{proto} {match.ipv4_src}:{match.tp_src}->{match.ipv4_dst}:{match.tp_dst} "
+        f"in {match.in_port}"
+    )

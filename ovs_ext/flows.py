@@ -1,0 +1,292 @@
+"""The Flow Manager: every flow of every VM, onloaded or offloaded, and its counters.
+
+A flow's packets are counted in exactly one place at a time:
+
+- ``packet_in``: packets the controller judged and sent on itself (the first
+  packet(s) of a flow, before its OpenFlow rule existed);
+- ``rule``: the flow's own OpenFlow rule in ``br-int`` (onloaded traffic);
+  the rule stays installed while the flow is offloaded, so these counters are
+  never reset by a move;
+- ``offload_live``: the provider's entry while the flow is offloaded;
+- ``offload_done``: final counters of earlier offload entries, carried over when
+  the provider removed them (demotion, eviction).
+
+The total is the sum of the four: continuous across promotion and demotion,
+never reset, never double-counted.  No I/O here: the OpenFlow app and the
+provider feed observations in; :meth:`FlowManager.records` turns the state
+into the :class:`~ovs_ext.flow_record.FlowRecord` list the statistics endpoint
+serves.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import time
+from collections.abc import Callable, Iterable, Mapping
+
+from ovs_ext import policy as policy_mod
+from ovs_ext.flow_record import FlowRecord
+from ovs_ext.providers.base import IPPROTO_TCP, FlowCounters, FlowMatch
+
+ETH_TYPE_IPV4 = 0x0800
+# The OpenFlow table and priorities of the rules the app owns.
+FLOW_TABLE = 0
+FLOW_PRIORITY = 100
+DISCOVERY_PRIORITY = 10
+# Offloaded flows are shown as their own entries in a table OVS never uses, so
+# `ovs-ofctl dump-flows <endpoint> table=200` lists exactly what is offloaded.
+OFFLOAD_TABLE = 200
+# Cookies: the app owns every rule whose top 16 bits are COOKIE_PREFIX; the low
+# 40 bits carry the flow's id, so a flow-stats reply maps back without a lookup.
+COOKIE_PREFIX = 0xF1E0
+COOKIE_MASK = 0xFFFF << 48
+COOKIE_KIND_FLOW = 1
+COOKIE_KIND_DISCOVERY = 2
+COOKIE_KIND_TABLE_MISS = 3
+HISTORY_SAMPLES = 256
+
+
+def flow_cookie(flow_id: int) -> int:
+    return (COOKIE_PREFIX << 48) | (COOKIE_KIND_FLOW << 40) | flow_id
+
+
+def discovery_cookie(ofport: int) -> int:
+    return (COOKIE_PREFIX << 48) | (COOKIE_KIND_DISCOVERY << 40) | ofport
+
+
+def table_miss_cookie() -> int:
+    return (COOKIE_PREFIX << 48) | (COOKIE_KIND_TABLE_MISS << 40)
+
+
+def cookie_flow_id(cookie: int) -> int | None:
+    """The flow id a cookie carries, or None for a cookie that is not a flow rule's."""
+    if cookie >> 48 != COOKIE_PREFIX or (cookie >> 40) & 0xFF != COOKIE_KIND_FLOW:
+        return None
+    return cookie & ((1 << 40) - 1)
+
+
+class FlowState(enum.Enum):
+    ONLOADED = "onloaded"
+    OFFLOADED = "offloaded"
+
+
+@dataclasses.dataclass
+class TrackedFlow:
+    flow_id: int
+    match: FlowMatch
+    owner: str  # the VM port whose dispatcher owns the flow ("" for none)
+    direction: policy_mod.Direction
+    out_port: str | None  # where the flow leaves br-int, when known
+    first_seen: float  # monotonic
+    setup: policy_mod.SetupDecision
+    state: FlowState = FlowState.ONLOADED
+    reason: str = ""  # why it is where it is: the rule, the refusal, the eviction
+    rule_installed: bool = False
+    packet_in: FlowCounters = dataclasses.field(default_factory=FlowCounters)
+    rule: FlowCounters = dataclasses.field(default_factory=FlowCounters)
+    offload_live: FlowCounters = dataclasses.field(default_factory=FlowCounters)
+    offload_done: FlowCounters = dataclasses.field(default_factory=FlowCounters)
+    quiet_polls: int = 0
+    last_active: float = 0.0  # monotonic; when its total last grew
+    offloaded_at: float | None = None  # wall clock of the latest promotion
+    moves: int = 0
+    history: collections.deque[tuple[float, int, int]] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=HISTORY_SAMPLES)
+    )
+
+    @property
+    def cookie(self) -> int:
+        return flow_cookie(self.flow_id)
+
+    @property
+    def onloaded_counters(self) -> FlowCounters:
+        return self.packet_in + self.rule
+
+    @property
+    def offloaded_counters(self) -> FlowCounters:
+        return self.offload_live + self.offload_done
+
+    @property
+    def total(self) -> FlowCounters:
+        return self.onloaded_counters + self.offloaded_counters
+
+    def rate(self, window_s: float) -> policy_mod.Rate:
+        return policy_mod.window_rate(list(self.history), window_s)
+
+
+class FlowManager:
+    """State of every flow; all times come from the injected clock (tests drive it)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self._flows: dict[FlowMatch, TrackedFlow] = {}
+        self._by_id: dict[int, TrackedFlow] = {}
+        self._next_id = 1
+
+    # -- membership -----------------------------------------------------------
+    def get(self, match: FlowMatch) -> TrackedFlow | None:
+        return self._flows.get(match)
+
+    def by_id(self, flow_id: int) -> TrackedFlow | None:
+        return self._by_id.get(flow_id)
+
+    def __iter__(self):
+        return iter(list(self._flows.values()))
+
+    def __len__(self) -> int:
+        return len(self._flows)
+
+    def add(
+        self,
+        match: FlowMatch,
+        *,
+        owner: str,
+        direction: policy_mod.Direction,
+        out_port: str | None,
+        setup: policy_mod.SetupDecision,
+    ) -> TrackedFlow:
+        """Start tracking a flow seen for the first time (idempotent)."""
+        flow = self._flows.get(match)
+        if flow is not None:
+            return flow
+        flow = TrackedFlow(
+            flow_id=self._next_id,
+            match=match,
+            owner=owner,
+            direction=direction,
+            out_port=out_port,
+            first_seen=self.clock(),
+            setup=setup,
+        )
+        self._next_id += 1
+        self._flows[match] = flow
+        self._by_id[flow.flow_id] = flow
+        return flow
+
+    def forget(self, match: FlowMatch) -> TrackedFlow | None:
+        flow = self._flows.pop(match, None)
+        if flow is not None:
+            self._by_id.pop(flow.flow_id, None)
+        return flow
+
+    def flows_of_port(self, port: str) -> list[TrackedFlow]:
+        return [f for f in self._flows.values() if port in (f.match.in_port, f.out_port)]
+
+    # -- observations -----------------------------------------------------------
+    def count_packet_in(self, match: FlowMatch, length: int) -> None:
+        """A packet the controller forwarded itself (before the rule existed)."""
+        flow = self._flows[match]
+        flow.packet_in = flow.packet_in + FlowCounters(1, length)
+
+    def observe_rule_stats(self, stats: Mapping[int, FlowCounters]) -> None:
+        """OpenFlow rule counters by flow id (from a flow-stats reply)."""
+        for flow_id, counters in stats.items():
+            flow = self._by_id.get(flow_id)
+            if flow is not None:
+                flow.rule = counters
+                flow.rule_installed = True
+
+    def observe_provider_stats(self, stats: Mapping[FlowMatch, FlowCounters]) -> None:
+        """Live counters of the provider's entries (only offloaded flows have one)."""
+        for match, counters in stats.items():
+            flow = self._flows.get(match)
+            if flow is not None and flow.state is FlowState.OFFLOADED:
+                flow.offload_live = counters
+
+    def sample(self) -> None:
+        """Append every flow's current total to its rate history."""
+        now = self.clock()
+        for flow in self._flows.values():
+            total = flow.total
+            if not flow.history or flow.history[-1][1] != total.packets:
+                flow.last_active = now
+            flow.history.append((now, total.packets, total.bytes))
+
+    def idle_since(self, seconds: float) -> list[TrackedFlow]:
+        """Flows whose counters have not moved for ``seconds``."""
+        cutoff = self.clock() - seconds
+        return [f for f in self._flows.values() if max(f.last_active, f.first_seen) < cutoff]
+
+    # -- moves ------------------------------------------------------------------
+    def mark_offloaded(self, match: FlowMatch, reason: str, wall_time: float) -> None:
+        flow = self._flows[match]
+        flow.state = FlowState.OFFLOADED
+        flow.offload_live = FlowCounters()
+        flow.reason = reason
+        flow.quiet_polls = 0
+        flow.offloaded_at = wall_time
+        flow.moves += 1
+
+    def mark_onloaded(self, match: FlowMatch, final: FlowCounters | None, reason: str) -> None:
+        """Back to the vSwitch: the provider entry's final counters are carried over."""
+        flow = self._flows[match]
+        if flow.state is FlowState.OFFLOADED:
+            # The provider's final count supersedes the last live sample.
+            carried = final if final is not None else flow.offload_live
+            flow.offload_done = flow.offload_done + carried
+            flow.offload_live = FlowCounters()
+            flow.moves += 1
+        flow.state = FlowState.ONLOADED
+        flow.reason = reason
+        flow.quiet_polls = 0
+
+    def offloaded(self) -> list[TrackedFlow]:
+        return [f for f in self._flows.values() if f.state is FlowState.OFFLOADED]
+
+    # -- what ovs-ofctl shows -------------------------------------------------------
+    def records(self, ofport_of: Callable[[str], int | None]) -> list[FlowRecord]:
+        """One record per flow rule (total counters) and one per offloaded flow.
+
+        The rule's counters include its offloaded traffic, as OVS reports a
+        hardware-offloaded flow; the table-200 entry shows the offloaded part
+        alone, so onloaded = rule - offloaded.
+        """
+        now = self.clock()
+        records: list[FlowRecord] = []
+        for flow in sorted(self._flows.values(), key=lambda f: f.flow_id):
+            in_port = ofport_of(flow.match.in_port)
+            if in_port is None:
+                continue
+            match = openflow_match(flow.match, in_port)
+            out = ofport_of(flow.out_port) if flow.out_port else None
+            total = flow.total
+            duration = now - flow.first_seen
+            offloaded = flow.state is FlowState.OFFLOADED
+            records.append(
+                FlowRecord(
+                    FLOW_TABLE, FLOW_PRIORITY, flow.cookie, match, total.packets,
+                    total.bytes, duration, out, offloaded,
+                )
+            )  # fmt: skip
+            part = flow.offloaded_counters
+            if offloaded or part.packets:
+                records.append(
+                    FlowRecord(
+                        OFFLOAD_TABLE, FLOW_PRIORITY, flow.cookie, match, part.packets,
+                        part.bytes, duration, out, offloaded,
+                    )
+                )  # fmt: skip
+        return records
+
+
+def openflow_match(match: FlowMatch, in_port: int) -> dict[str, int | str]:
+    """The OXM fields of a flow's rule, by the names ``ovs-ofctl`` prints."""
+    l4 = "tcp" if match.ip_proto == IPPROTO_TCP else "udp"
+    return {
+        "in_port": in_port,
+        "eth_type": ETH_TYPE_IPV4,
+        "ip_proto": match.ip_proto,
+        "ipv4_src": match.ipv4_src,
+        "ipv4_dst": match.ipv4_dst,
+        f"{l4}_src": match.tp_src,
+        f"{l4}_dst": match.tp_dst,
+    }
+
+
+def offloaded_total(flows: Iterable[TrackedFlow]) -> FlowCounters:
+    total = FlowCounters()
+    for flow in flows:
+        total = total + flow.offloaded_counters
+    return total

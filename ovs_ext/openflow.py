@@ -1,0 +1,221 @@
+"""The OpenFlow 1.3 rules the offload app owns in br-int, and packet parsing.
+
+Pure builders over an os-ken ``ofproto_v1_3_parser`` module (golden-tested in
+the unit tests) and a header parser for packet-ins.  Three kinds of rule, all
+tagged with cookies under :data:`~ovs_ext.flows.COOKIE_MASK`:
+
+- per watched port (VM ports and uplinks), priority 10: IPv4 TCP and UDP go
+  to the controller *only*, so each first packet is judged in the host and
+  forwarded by the app (counted once, never lost to a race with the rule);
+  ARP goes to the controller (truncated) *and* NORMAL, so the app learns
+  which port each MAC sits behind without being on ARP's path;
+- per flow, priority 100: the 5-tuple on its in_port, NORMAL — the rule whose
+  counters are the flow's onloaded traffic;
+- a priority-0 NORMAL rule for everything else (ICMP, other ethertypes,
+  unwatched ports): ovs-vswitchd removes its own default NORMAL rule once a
+  bridge has a controller, so the app puts it back, as Neutron's agent does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from types import ModuleType
+from typing import Any
+
+from ovs_ext import flows
+from ovs_ext.providers.base import IPPROTO_TCP, IPPROTO_UDP, FlowMatch
+
+ETH_TYPE_IPV4 = 0x0800
+ETH_TYPE_ARP = 0x0806
+ETH_HEADER = struct.Struct("!6s6sH")
+IPV4_MIN_HEADER = 20
+ARP_LEARN_MAX_LEN = 64  # enough for Ethernet + ARP's sender fields
+OFPCML_NO_BUFFER = 0xFFFF
+OFP_NO_BUFFER = 0xFFFFFFFF
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedPacket:
+    eth_src: str
+    eth_dst: str
+    eth_type: int
+    five_tuple: tuple[int, str, str, int, int] | None  # proto, src, dst, sport, dport
+
+
+def mac_text(raw: bytes) -> str:
+    return ":".join(f"{b:02x}" for b in raw)
+
+
+def parse_packet(data: bytes) -> ParsedPacket | None:
+    """Ethernet + IPv4 + TCP/UDP ports; None for a frame too short to be Ethernet.
+
+    >>> frame = bytes(6) + bytes.fromhex("020000000001") + b"\\x08\\x00"
+    >>> ip = bytes.fromhex("4500001c00004000401100000a0000010a000002")
+    >>> parse_packet(frame + ip + bytes.fromhex("9c4014510008 0000")).five_tuple
+    (17, '10.0.0.1', '10.0.0.2', 40000, 5201)
+    """
+    if len(data) < ETH_HEADER.size:
+        return None
+    dst, src, eth_type = ETH_HEADER.unpack_from(data)
+    ip = data[ETH_HEADER.size :]
+    five = None
+    if eth_type == ETH_TYPE_IPV4 and len(ip) >= IPV4_MIN_HEADER and ip[0] >> 4 == 4:
+        header_len = (ip[0] & 0x0F) * 4
+        proto = ip[9]
+        fragment = struct.unpack_from("!H", ip, 6)[0] & 0x1FFF
+        if proto in (IPPROTO_TCP, IPPROTO_UDP) and fragment == 0 and len(ip) >= header_len + 4:
+            sport, dport = struct.unpack_from("!HH", ip, header_len)
+            src_ip = ".".join(str(b) for b in ip[12:16])
+            dst_ip = ".".join(str(b) for b in ip[16:20])
+            five = (proto, src_ip, dst_ip, sport, dport)
+    return ParsedPacket(mac_text(src), mac_text(dst), eth_type, five)
+
+
+def parse_fdb(text: str) -> list[tuple[int, str]]:
+    """(OpenFlow port, MAC) rows of ``ovs-appctl fdb/show``.
+
+    >>> parse_fdb(" port  VLAN  MAC                Age\\n    2     0  02:00:00:00:00:01    3\\n")
+    [(2, '02:00:00:00:00:01')]
+    """
+    rows = []
+    for line in text.splitlines():
+        fields = line.split()
+        if len(fields) >= 3 and fields[0].isdigit() and fields[2].count(":") == 5:
+            rows.append((int(fields[0]), fields[2].lower()))
+    return rows
+
+
+def flow_match(in_port: str, parsed: ParsedPacket) -> FlowMatch | None:
+    if parsed.five_tuple is None:
+        return None
+    proto, src, dst, sport, dport = parsed.five_tuple
+    return FlowMatch(in_port, proto, src, dst, sport, dport)
+
+
+# -- rule builders ------------------------------------------------------------------
+def discovery_rules(parser: ModuleType, ofproto: ModuleType, ofport: int) -> list[Any]:
+    """Flow-mods sending a watched port's new TCP/UDP flows (and ARP) to the app."""
+    cookie = flows.discovery_cookie(ofport)
+    to_app = parser.OFPActionOutput(ofproto.OFPP_CONTROLLER, OFPCML_NO_BUFFER)
+    mods = [
+        _flow_mod(
+            parser,
+            ofproto,
+            cookie,
+            flows.DISCOVERY_PRIORITY,
+            parser.OFPMatch(in_port=ofport, eth_type=ETH_TYPE_IPV4, ip_proto=proto),
+            [to_app],
+        )
+        for proto in (IPPROTO_TCP, IPPROTO_UDP)
+    ]
+    learn_arp = [
+        parser.OFPActionOutput(ofproto.OFPP_CONTROLLER, ARP_LEARN_MAX_LEN),
+        parser.OFPActionOutput(ofproto.OFPP_NORMAL),
+    ]
+    mods.append(
+        _flow_mod(
+            parser,
+            ofproto,
+            cookie,
+            flows.DISCOVERY_PRIORITY,
+            parser.OFPMatch(in_port=ofport, eth_type=ETH_TYPE_ARP),
+            learn_arp,
+        )
+    )
+    return mods
+
+
+def table_miss_rule(parser: ModuleType, ofproto: ModuleType) -> Any:
+    """Everything the app does not judge is switched by the bridge (NORMAL)."""
+    return _flow_mod(
+        parser,
+        ofproto,
+        flows.table_miss_cookie(),
+        0,
+        parser.OFPMatch(),
+        [parser.OFPActionOutput(ofproto.OFPP_NORMAL)],
+    )
+
+
+def flow_rule(parser: ModuleType, ofproto: ModuleType, cookie: int, in_port: int,
+              match: FlowMatch) -> Any:  # fmt: skip
+    """The per-flow rule: its 5-tuple on its in_port, forwarded NORMAL."""
+    fields: dict[str, Any] = dict(flows.openflow_match(match, in_port))
+    return _flow_mod(
+        parser,
+        ofproto,
+        cookie,
+        flows.FLOW_PRIORITY,
+        parser.OFPMatch(**fields),
+        [parser.OFPActionOutput(ofproto.OFPP_NORMAL)],
+    )
+
+
+def delete_owned(parser: ModuleType, ofproto: ModuleType, cookie: int = 0,
+                 cookie_mask: int = flows.COOKIE_MASK) -> Any:  # fmt: skip
+    """Delete every rule the app owns (all of them, or one by exact cookie)."""
+    if cookie == 0:
+        cookie = flows.COOKIE_PREFIX << 48
+    return delete_rules(parser, ofproto, cookie, cookie_mask)
+
+
+def delete_judging_rules(parser: ModuleType, ofproto: ModuleType) -> list[Any]:
+    """At exit: the discovery and per-flow rules, keeping the NORMAL table-miss rule."""
+    kind_mask = flows.COOKIE_MASK | (0xFF << 40)
+    prefix = flows.COOKIE_PREFIX << 48
+    return [
+        delete_rules(parser, ofproto, prefix | (kind << 40), kind_mask)
+        for kind in (flows.COOKIE_KIND_DISCOVERY, flows.COOKIE_KIND_FLOW)
+    ]
+
+
+def delete_rules(parser: ModuleType, ofproto: ModuleType, cookie: int, cookie_mask: int) -> Any:
+    return parser.OFPFlowMod(
+        datapath=None,
+        cookie=cookie,
+        cookie_mask=cookie_mask,
+        table_id=ofproto.OFPTT_ALL,
+        command=ofproto.OFPFC_DELETE,
+        out_port=ofproto.OFPP_ANY,
+        out_group=ofproto.OFPG_ANY,
+        match=parser.OFPMatch(),
+    )
+
+
+def owned_stats_request(parser: ModuleType, ofproto: ModuleType) -> Any:
+    """Flow statistics of every per-flow rule the app owns."""
+    return parser.OFPFlowStatsRequest(
+        datapath=None,
+        table_id=flows.FLOW_TABLE,
+        out_port=ofproto.OFPP_ANY,
+        out_group=ofproto.OFPG_ANY,
+        cookie=(flows.COOKIE_PREFIX << 48) | (flows.COOKIE_KIND_FLOW << 40),
+        cookie_mask=flows.COOKIE_MASK | (0xFF << 40),
+        match=parser.OFPMatch(),
+    )
+
+
+def packet_out_normal(parser: ModuleType, ofproto: ModuleType, in_port: int, data: bytes) -> Any:
+    """Send a judged first packet on as if the bridge had switched it (NORMAL)."""
+    return parser.OFPPacketOut(
+        datapath=None,
+        buffer_id=OFP_NO_BUFFER,
+        in_port=in_port,
+        actions=[parser.OFPActionOutput(ofproto.OFPP_NORMAL)],
+        data=data,
+    )
+
+
+def _flow_mod(parser: ModuleType, ofproto: ModuleType, cookie: int, priority: int,
+              match: Any, actions: list[Any]) -> Any:  # fmt: skip
+    return parser.OFPFlowMod(
+        datapath=None,
+        cookie=cookie,
+        table_id=flows.FLOW_TABLE,
+        command=ofproto.OFPFC_ADD,
+        priority=priority,
+        buffer_id=OFP_NO_BUFFER,
+        match=match,
+        instructions=[parser.OFPInstructionActions(ofproto.OFPIT_APPLY_ACTIONS, actions)],
+    )

@@ -1,0 +1,1 @@
+"""The ``xdp`` offload provider: an eSwitch fast path in XDP/eBPF."""

@@ -1,0 +1,279 @@
+"""``flexmig-offload``: the offload extension's service on one host.
+
+Loads the policy (an invalid one stops the start, naming the field, before
+anything touches the bridge), the configured provider through stevedore, then
+runs the os-ken app on a loopback address, points the bridge at it and
+serves the statistics endpoint.  SIGHUP re-reads the policy (an invalid file
+is rejected whole: the running policy and every flow stay as they are);
+SIGTERM gives every flow back to the bridge and detaches the fast path.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from types import FrameType
+
+from oslo_config import cfg
+from stevedore import driver
+
+from flexmig import exceptions
+from ovs_ext import config, policy
+from ovs_ext.app import Runtime
+from ovs_ext.control import OffloadControl
+from ovs_ext.dispatcher import Dispatchers
+from ovs_ext.openflow_stats import config as stats_config
+from ovs_ext.openflow_stats.server import OpenFlowStatsServer
+from ovs_ext.openflow_stats.session import EndpointInfo
+from ovs_ext.providers.base import OffloadProvider
+
+LOG = logging.getLogger("flexmig.ovs_ext.service")
+OVS_VSCTL_TIMEOUT = 10
+CONTROLLER_WAIT = 30.0
+SHUTDOWN_TIMEOUT = 3.0
+
+
+class OffloadServiceError(exceptions.FlexMigError):
+    msg_fmt = "flexmig-offload: %(reason)s"
+
+
+def load_provider(conf: cfg.ConfigOpts, name: str) -> OffloadProvider:
+    """The named provider plugin, its options registered under [offload_<name>]."""
+    try:
+        manager = driver.DriverManager(
+            namespace=config.PROVIDER_NAMESPACE, name=name, invoke_on_load=False
+        )
+    except Exception as exc:
+        raise OffloadServiceError(
+            reason=f"offload provider {name!r} could not be loaded: {exc}"
+        ) from exc
+    provider_cls = manager.driver
+    conf.register_opts(provider_cls.CONFIG_OPTS, group=f"offload_{name.replace('-', '_')}")
+    provider = provider_cls(conf)
+    description = provider.describe()
+    if not description.available:
+        raise OffloadServiceError(
+            reason=f"offload provider {name} cannot run here: {description.unavailable_reason}"
+        )
+    return provider
+
+
+def bridge_datapath_id(bridge: str) -> int:
+    """The bridge's datapath id: the only switch the app accepts."""
+    proc = subprocess.run(
+        ["ovs-vsctl", f"--timeout={OVS_VSCTL_TIMEOUT}", "get", "bridge", bridge, "datapath_id"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise OffloadServiceError(reason=f"bridge {bridge}: {proc.stderr.strip()}")
+    return int(proc.stdout.strip().strip('"'), 16)
+
+
+def configure_bridge(bridge: str, target: str, revalidator_ms: int = 0) -> None:
+    """Controller at ``target``, fail-mode standalone, OpenFlow 1.0 and 1.3."""
+    cmd = [
+        "ovs-vsctl",
+        f"--timeout={OVS_VSCTL_TIMEOUT}",
+        "set-controller",
+        bridge,
+        target,
+        "--",
+        "set-fail-mode",
+        bridge,
+        "standalone",
+        "--",
+        "set",
+        "bridge",
+        bridge,
+        "protocols=OpenFlow10,OpenFlow13",
+    ]
+    if revalidator_ms:
+        cmd += ["--", "set", "Open_vSwitch", ".", f"other_config:max-revalidator={revalidator_ms}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise OffloadServiceError(
+            reason=f"could not set {bridge}'s controller: {proc.stderr.strip()}"
+        )
+
+
+def _start_osken(runtime: Runtime, address: str, port: int) -> list[object]:
+    from os_ken import cfg as osken_cfg
+    from os_ken.base import app_manager
+
+    osken_cfg.CONF([], project="os_ken")
+    osken_cfg.CONF.set_override("ofp_listen_host", address)
+    # An explicit port also stops os-ken from opening its legacy 6633 listener.
+    osken_cfg.CONF.set_override("ofp_tcp_listen_port", port)
+    manager = app_manager.AppManager.get_instance()
+    manager.load_apps(["ovs_ext.app"])
+    contexts = manager.create_contexts()
+    return manager.instantiate_apps(offload_runtime=runtime, **contexts)
+
+
+def _start_stats_endpoint(conf: cfg.ConfigOpts, runtime: Runtime) -> OpenFlowStatsServer | None:
+    """The OpenFlow statistics endpoint ovs-ofctl reads, fed by the Flow Manager."""
+    path = conf.offload.stats_endpoint
+    if not path:
+        return None
+    opts = conf.openflow_stats
+
+    def records() -> list[object]:
+        app = runtime.app
+        if app is None:
+            return []
+        with runtime.lock:
+            return runtime.control.flows.records(app.ofport_of)
+
+    def port_names() -> dict[int, str]:
+        return dict(runtime.app.port_names) if runtime.app is not None else {}
+
+    server = OpenFlowStatsServer(
+        records,
+        unix_socket=path,
+        unix_socket_mode=int(opts.unix_socket_mode, 8),
+        max_connections=opts.max_connections,
+        idle_timeout=opts.idle_timeout,
+        port_names=port_names,
+        info=EndpointInfo(datapath_id=runtime.datapath_id or 0),
+    )
+    server.start()
+    return server
+
+
+def clear_stale_entries(provider: OffloadProvider, name: str) -> int:
+    """Entries a previous run left in the provider (its tables may be pinned):
+    their flows are forgotten, so they must not keep bypassing the bridge."""
+    stale = provider.stats()
+    if stale:
+        provider.remove(list(stale))
+        LOG.info("removed %d stale entries from provider %s", len(stale), name)
+    return len(stale)
+
+
+def prepare(argv: list[str]) -> tuple[cfg.ConfigOpts, Runtime]:
+    """Everything that can be refused, before anything listens or the bridge is touched."""
+    conf = cfg.ConfigOpts()
+    config.register_opts(conf)
+    stats_config.register_opts(conf)
+    conf(argv, project="flexmig", prog="flexmig-offload")
+    config.validate(conf)
+    opts = conf.offload
+    active_policy = policy.load_policy(opts.policy_file)
+    provider = load_provider(conf, opts.provider)
+    check_listen(opts.controller_address, opts.controller_port)
+    datapath_id = bridge_datapath_id(opts.bridge)
+    clear_stale_entries(provider, opts.provider)
+    dispatchers = Dispatchers(provider, opts.provider, opts.vm_port_patterns, opts.uplinks)
+    control = OffloadControl(
+        active_policy, provider, opts.provider, dispatchers, idle_timeout=opts.flow_idle_timeout
+    )
+    runtime = Runtime(control, opts.bridge, opts.poll_interval, opts.status_file)
+    runtime.datapath_id = datapath_id
+    return conf, runtime
+
+
+def check_listen(address: str, port: int) -> None:
+    """os-ken binds in a thread and only logs a failure: find it here instead."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((address, port))
+        except OSError as exc:
+            raise OffloadServiceError(
+                reason=f"cannot listen on {address}:{port} for the bridge: {exc.strerror}"
+            ) from exc
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        conf, runtime = prepare(sys.argv[1:] if argv is None else argv)
+        endpoint = _start_stats_endpoint(conf, runtime)
+    except (cfg.Error, exceptions.FlexMigError, OSError) as exc:
+        print(f"flexmig-offload: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    opts = conf.offload
+    LOG.info(
+        "provider %s (capacity %d), policy %s, bridge %s",
+        opts.provider,
+        runtime.control.capacity,
+        opts.policy_file,
+        opts.bridge,
+    )
+    _start_osken(runtime, opts.controller_address, opts.controller_port)
+    _install_signal_handlers(runtime, opts.policy_file)
+    rc = 0
+    try:
+        if opts.configure_bridge:
+            target = f"tcp:{opts.controller_address}:{opts.controller_port}"
+            configure_bridge(opts.bridge, target, opts.ovs_revalidator_ms)
+        if not runtime.connected.wait(CONTROLLER_WAIT):
+            LOG.error("bridge %s did not connect within %.0f s", opts.bridge, CONTROLLER_WAIT)
+        while not runtime.stopping.wait(1.0):
+            pass
+    except OffloadServiceError as exc:
+        LOG.error("%s", exc)
+        rc = 1
+    _shutdown(runtime, endpoint, opts.bridge if opts.configure_bridge else None)
+    logging.shutdown()
+    # os-ken's hub threads are not daemons and have no stop: leave without them.
+    os._exit(rc)
+
+
+def _install_signal_handlers(runtime: Runtime, policy_file: str) -> None:
+    def reload(_sig: int, _frame: FrameType | None) -> None:
+        threading.Thread(target=reload_policy, args=(runtime, policy_file), daemon=True).start()
+
+    def stop(_sig: int, _frame: FrameType | None) -> None:
+        runtime.stopping.set()
+
+    signal.signal(signal.SIGHUP, reload)
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+
+def reload_policy(runtime: Runtime, policy_file: str) -> bool:
+    """Re-read the policy; an invalid file changes nothing and says why."""
+    try:
+        new_policy = policy.load_policy(policy_file)
+    except policy.PolicyError as exc:
+        LOG.error("policy reload rejected, running policy kept: %s", exc)
+        return False
+    with runtime.lock:
+        runtime.control.replace_policy(new_policy)
+    LOG.info("policy reloaded from %s", policy_file)
+    return True
+
+
+def _shutdown(runtime: Runtime, endpoint: OpenFlowStatsServer | None, bridge: str | None) -> None:
+    """Every offloaded flow back to the bridge, the fast path detached, the bridge
+    back to its own NORMAL switching."""
+    LOG.info("stopping: flows go back to the bridge")
+    runtime.stopping.set()
+    control = runtime.control
+    with runtime.lock:
+        for port in sorted(control.dispatchers.fast_path_ports):
+            control.port_removed(port)
+    app = runtime.app
+    if app is not None and not app.remove_judging_rules(SHUTDOWN_TIMEOUT):
+        LOG.warning("bridge did not confirm the removal of the app's rules")
+    if endpoint is not None:
+        endpoint.stop()
+    if bridge is not None:
+        subprocess.run(
+            ["ovs-vsctl", f"--timeout={OVS_VSCTL_TIMEOUT}", "del-controller", bridge],
+            capture_output=True,
+            check=False,
+        )
+
+
+if __name__ == "__main__":
+    sys.exit(main())
