@@ -84,7 +84,7 @@ def test_cutting_the_fabric_during_postcopy_recovers_when_it_returns(lab):
         time.sleep(20)  # well past the stall timeout: postcopy pauses, recovery starts
         fabric.set_mgmt_link(lab.host("B").spec, True)
         record = migrate_cli.follow(agent, mid)
-        assert record["state"] == "completed", record["error"]
+        assert record["state"] == "completed", (record["error"], record["events"])
         events = [text for _ts, text in record["events"]]
         # The outage outlasted the stall timeout (it was noticed), and the
         # postcopy stream carried on once the link was back.
