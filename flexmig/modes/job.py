@@ -201,6 +201,22 @@ class MigrationJob:
         except libvirt.libvirtError as exc:
             self.on_event(f"libvirt refused the interruption: {exc.get_error_message()}")
 
+    def _landed_on_destination(self) -> bool:
+        """Whether the source gave the VM up as migrated and it runs on the destination."""
+        try:
+            state, reason = self.dom.state()
+            if (state, reason) != (libvirt.VIR_DOMAIN_SHUTOFF, libvirt.VIR_DOMAIN_SHUTOFF_MIGRATED):
+                return False
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() != libvirt.VIR_ERR_NO_DOMAIN:
+                return False  # cannot tell: keep trying to resume
+        try:
+            with hypervisor.connect(self.config.dest_libvirt_uri, "destination") as conn:
+                dom = hypervisor.find_domain(conn, self.dom.name())
+                return dom is not None and dom.state()[0] == libvirt.VIR_DOMAIN_RUNNING
+        except (libvirt.libvirtError, exceptions.FlexMigError):
+            return False
+
     def _resume_on_destination(self) -> None:
         """A VM paused for stop-and-copy must run where it landed."""
         try:
@@ -225,6 +241,12 @@ class MigrationJob:
         flags = self.mode.flags(self.decision) | libvirt.VIR_MIGRATE_POSTCOPY_RESUME
         attempt = 0
         while time.monotonic() < deadline:
+            if self._landed_on_destination():
+                # libvirt's control connection broke but QEMU's own stream
+                # survived the cut: nothing to resume, the VM runs there.
+                self.result.state, self.result.recovered = "completed", True
+                self.on_event("the migration completed over its own stream; nothing to resume")
+                return
             attempt += 1
             time.sleep(min(2.0, self.config.stall_timeout_s))
             worker, errors = self._start(flags)
