@@ -86,9 +86,11 @@ def test_cutting_the_fabric_during_postcopy_recovers_when_it_returns(lab):
         record = migrate_cli.follow(agent, mid)
         assert record["state"] == "completed", (record["error"], record["events"])
         events = [text for _ts, text in record["events"]]
-        # The outage outlasted the stall timeout (it was noticed), and the
-        # postcopy stream carried on once the link was back.
-        assert any(text.startswith("interrupting: no progress") for text in events), events
+        # The outage was noticed — by the stall watchdog, or by libvirt's control
+        # connection breaking first — and the postcopy stream carried on once the
+        # link was back.
+        noticed = ("interrupting: no progress", "postcopy interrupted")
+        assert any(text.startswith(noticed) for text in events), events
         _check_vm(guest, "B")
     finally:
         fabric.set_mgmt_link(lab.host("B").spec, True)
