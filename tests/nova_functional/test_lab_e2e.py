@@ -32,7 +32,8 @@ from flexmig import hypervisor  # noqa: E402
 from flexmig.lab import vm as lab_vm  # noqa: E402
 from flexmig.lab import vmspec  # noqa: E402
 from flexmig.lab.lab import CGROUP_ROOT  # noqa: E402
-from tests.nova_functional.test_live_migration import API_PASTE, DRIVER, FINAL_STATES  # noqa: E402
+from tests.nova_functional.harness import API_PASTE, FlexMigDriverMixin  # noqa: E402
+from tests.nova_functional.test_live_migration import FINAL_STATES  # noqa: E402
 
 pytestmark = pytest.mark.lab
 HOSTS = {"lab-a": "A", "lab-b": "B"}
@@ -84,24 +85,13 @@ def _adopting_spawn(test: Any) -> Any:
 
 @pytest.mark.usefixtures("nova_lab")
 class TestNovaMovesRealGuest(
-    integrated_helpers._IntegratedTestBase, integrated_helpers.InstanceHelperMixin
+    FlexMigDriverMixin,
+    integrated_helpers._IntegratedTestBase,
+    integrated_helpers.InstanceHelperMixin,
 ):
     ADMIN_API = True
     microversion = "latest"
     lab: Any = None  # set by the nova_lab fixture
-
-    def _clear_attrs(self) -> None:
-        method = self.__dict__.get(self._testMethodName)
-        super()._clear_attrs()
-        if method is not None:
-            self.__dict__[self._testMethodName] = method
-
-    def _setup_services(self) -> None:
-        self.flags(api_paste_config=API_PASTE, group="wsgi")
-        super()._setup_services()
-
-    def _setup_compute_service(self) -> None:
-        self.flags(compute_driver=DRIVER)
 
     def setUp(self) -> None:
         if not os.path.exists(API_PASTE):

@@ -33,9 +33,6 @@ from nova_driver import conf as flexmig_conf  # noqa: E402
 from nova_driver import driver as flexmig_driver  # noqa: E402
 from tests.nova_functional import harness  # noqa: E402
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-API_PASTE = os.path.join(ROOT, ".cache", "nova", "api-paste.ini")
-DRIVER = "nova_driver.driver.FlexMigLibvirtDriver"
 MIB = 2**20
 VM_RAM_MB = 512
 WAIT_S = 90.0
@@ -43,30 +40,16 @@ FINAL_STATES = ("completed", "failed", "error", "cancelled")
 
 
 @unittest.skipUnless(
-    os.path.exists(API_PASTE),
-    f"{API_PASTE} is missing: tools/setup.sh fetches it from nova's sdist",
+    os.path.exists(harness.API_PASTE),
+    f"{harness.API_PASTE} is missing: tools/setup.sh fetches it from nova's sdist",
 )
-class FlexMigNovaTestBase(libvirt_base.ServersTestBase, integrated_helpers.InstanceHelperMixin):
+class FlexMigNovaTestBase(
+    harness.FlexMigDriverMixin, libvirt_base.ServersTestBase, integrated_helpers.InstanceHelperMixin
+):
     ADMIN_API = True
     microversion = "latest"
     DEST_BUDGET_MB = 8192
     FILE_BACKED = False
-
-    def _clear_attrs(self) -> None:
-        # Nova frees test attributes at cleanup; pytest's unittest runner bound
-        # the test method as one and deletes it afterwards itself.
-        method = self.__dict__.get(self._testMethodName)
-        super()._clear_attrs()
-        if method is not None:
-            self.__dict__[self._testMethodName] = method
-
-    def _setup_services(self) -> None:
-        # Nova's harness reads the API pipeline from the sdist's api-paste.ini.
-        self.flags(api_paste_config=API_PASTE, group="wsgi")
-        super()._setup_services()
-
-    def _setup_compute_service(self) -> None:
-        self.flags(compute_driver=DRIVER)
 
     def setUp(self) -> None:
         super().setUp()
