@@ -70,9 +70,12 @@ def start(
     max_downtime_ms: int | None = None,
     bandwidth_mib: int = 0,
     transport: str = "auto",
+    store_writeback: bool = True,
 ) -> tuple[str, Any, str]:
     """Start a migration on the source agent: (source host, its agent, migration id)."""
     source, body = _request(lab, name, to, mode, max_downtime_ms, bandwidth_mib, transport)
+    if not store_writeback:  # benchmarks compare with and without
+        body["store_writeback"] = False
     agent = lab.agent(source)
     return source, agent, agent.post("/v1/migrations", body)["id"]
 
@@ -86,12 +89,13 @@ def migrate(
     show: bool = True,
     bandwidth_mib: int = 0,
     transport: str = "auto",
+    store_writeback: bool = True,
 ) -> dict[str, Any]:
     """Run a FlexMig migration and measure it from inside the guest."""
     guest = lab_vm.LabVM(lab, name)
     start_ns = time.monotonic_ns()
     source, agent, migration_id = start(
-        lab, name, to, mode, max_downtime_ms, bandwidth_mib, transport
+        lab, name, to, mode, max_downtime_ms, bandwidth_mib, transport, store_writeback
     )
     record = _follow(agent, migration_id, f"{name} {source}->{to.upper()}", show)
     result: dict[str, Any] = {

@@ -82,6 +82,8 @@ class MigrationRecord:
     bandwidth_mib: int = 0
     downtime_budget_ms: int = 0
     requested_transport: str = "auto"
+    store_writeback: bool = True
+    writeback_rounds: int | None = None
     transport: TransportChoice | None = None
     state: str = "planning"
     decision: Decision | None = None
@@ -193,6 +195,7 @@ class MigrationService:
         max_downtime_ms: int | None = None,
         bandwidth_mib: int = 0,
         transport: str = "auto",
+        store_writeback: bool = True,
     ) -> MigrationRecord:
         record = MigrationRecord(
             id=uuid.uuid4().hex[:12],
@@ -201,6 +204,7 @@ class MigrationService:
             requested_mode=mode,
             bandwidth_mib=bandwidth_mib,
             requested_transport=transport,
+            store_writeback=store_writeback,
         )
         with self.lock:
             if any(
@@ -249,6 +253,8 @@ class MigrationService:
                 f"destination reserved a {decision.memory_budget_bytes >> 20} MiB "
                 "resident budget"
             )
+        elif record.store_writeback:
+            self._request_writeback(record, dest)
         record.transport = choose_transport(
             record.requested_transport,
             movers.rdma_provider_present(),
@@ -293,6 +299,8 @@ class MigrationService:
             )
             result = job.run()
         mover_stats = self._finish_movers(record, dest, sender, result.state == "completed")
+        if decision.mode != "split" and record.store_writeback:
+            record.writeback_rounds = self._end_writeback(record, dest)
         if result.state != "completed":
             if decision.mode == "split" and not result.switched_to_postcopy:
                 _quietly(lambda: dest.agent.post("/v1/split/cleanup", {"vm": record.vm}))
@@ -302,8 +310,25 @@ class MigrationService:
         record.summary = self._summary(record, dest, result)
         record.summary["transport"] = record.transport.transport
         record.summary["movers"] = mover_stats
+        record.summary["store_writeback"] = record.store_writeback
+        record.summary["store_writeback_rounds"] = record.writeback_rounds
         record.state = "completed"
         record.event("completed")
+
+    def _request_writeback(self, record: MigrationRecord, dest: Destination) -> None:
+        """Destination QEMU msyncs a file-backed VM's RAM inside the downtime:
+        keep what is dirty small by writing the file back as pages arrive."""
+        try:
+            dest.agent.post("/v1/incoming/writeback", {"vm": record.vm, "active": True})
+        except exceptions.FlexMigError as exc:
+            record.event(f"destination cannot write the memory file back early: {exc}")
+
+    def _end_writeback(self, record: MigrationRecord, dest: Destination) -> int | None:
+        try:
+            body = {"vm": record.vm, "active": False}
+            return int(dest.agent.post("/v1/incoming/writeback", body)["rounds"])
+        except (exceptions.FlexMigError, KeyError, TypeError, ValueError):
+            return None
 
     def _start_movers(self, record: MigrationRecord, dest: Destination) -> movers.MoverProcess:
         token = movers.new_token()  # scoped to this migration, never reused

@@ -8,6 +8,7 @@ import re
 import socket
 import sys
 import threading
+import time
 from typing import Any
 
 from oslo_config import cfg
@@ -23,8 +24,17 @@ from flexmig.policy.transport import TRANSPORTS
 LOG = logging.getLogger("flexmig.agent")
 DEST_FIELDS = {"address": str, "port": int, "libvirt_uri": str, "migration_uri": str}
 MIGRATE_FIELDS = {"vm": str, "dest": dict}
-MIGRATE_OPTIONAL = {"mode": str, "max_downtime_ms": int, "bandwidth_mib": int, "transport": str}
+MIGRATE_OPTIONAL = {
+    "mode": str,
+    "max_downtime_ms": int,
+    "bandwidth_mib": int,
+    "transport": str,
+    "store_writeback": bool,
+}
 MAX_PROBE_MIB = 256
+# An incoming migration's writeback ends when the source says so; this bounds
+# it should the source never say (its agent died).
+INCOMING_WRITEBACK_MAX_S = 3600.0
 
 
 class Agent:
@@ -37,6 +47,7 @@ class Agent:
         )
         self.migrations = MigrationService(self.host, conf, config.sample_seconds(conf))
         self.flush_stops: dict[str, threading.Event] = {}
+        self.flushers: dict[str, ChunkFlusher] = {}
         self.router = api.Router()
         r = self.router
         r.add("GET", "/v1/health", lambda b, m: (200, {"ok": True, "host": self.host}))
@@ -45,6 +56,7 @@ class Agent:
         r.add("POST", "/v1/split/prepare", self.split_prepare)
         r.add("POST", "/v1/split/cleanup", self.split_cleanup)
         r.add("GET", r"/v1/split/(?P<vm>[^/]+)", self.split_status)
+        r.add("POST", "/v1/incoming/writeback", self.incoming_writeback)
         r.add("POST", "/v1/plan", self.plan)
         r.add("POST", "/v1/mover/receive", self.mover_receive)
         r.add("POST", "/v1/mover/finish", self.mover_finish)
@@ -83,22 +95,50 @@ class Agent:
         self._start_flusher(body["vm"])
         return 200, result
 
-    def _start_flusher(self, vm: str) -> None:
+    def _start_flusher(self, vm: str, lifetime_s: float | None = None) -> None:
         """Flush the VM's memory file in 1 MiB ranges once the incoming QEMU made it."""
         stop = threading.Event()
         old = self.flush_stops.pop(vm, None)
         if old:
             old.set()
         self.flush_stops[vm] = stop
+        deadline = None if lifetime_s is None else time.monotonic() + lifetime_s
 
         def wait_and_flush() -> None:
             path = None
             while path is None and not stop.wait(0.05):
+                if deadline is not None and time.monotonic() > deadline:
+                    return
                 path = self.store.memory_file(vm)
             if path:
-                ChunkFlusher(path, stop).run()
+                remaining = None if deadline is None else deadline - time.monotonic()
+                self.flushers[vm] = ChunkFlusher(path, stop, remaining)
+                self.flushers[vm].run()
 
         threading.Thread(target=wait_and_flush, name=f"flush-wait-{vm}", daemon=True).start()
+
+    def incoming_writeback(
+        self, body: dict[str, Any], _m: re.Match[str]
+    ) -> tuple[int, dict[str, Any]]:
+        """Keep an incoming VM's memory file written back while it migrates here.
+
+        A split VM's flusher runs for the VM's whole stay and is left alone.
+        """
+        api.check_fields(body, {"vm": str, "active": bool})
+        vm = body["vm"]
+        privileged.check_name("VM name", vm)
+        if self.store.reservation(vm) is not None:
+            return 200, {"vm": vm, "writeback": "split"}
+        if body["active"]:
+            self.flushers.pop(vm, None)
+            self._start_flusher(vm, INCOMING_WRITEBACK_MAX_S)
+            return 200, {"vm": vm, "writeback": "on"}
+        stop = self.flush_stops.pop(vm, None)
+        if stop:
+            stop.set()
+        flusher = self.flushers.pop(vm, None)
+        # rounds: how often the whole file was written back (0: no memory file appeared)
+        return 200, {"vm": vm, "writeback": "off", "rounds": flusher.rounds if flusher else 0}
 
     def mover_receive(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         api.check_fields(body, {"migration_id": str, "token": str})
@@ -186,6 +226,7 @@ class Agent:
             body.get("max_downtime_ms"),
             bandwidth,
             transport,
+            body.get("store_writeback", True),
         )
         return 202, {"id": record.id}
 

@@ -7,6 +7,7 @@ touches libvirt, so bad input changes nothing.
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from xml.sax.saxutils import escape, quoteattr
 
@@ -168,13 +169,20 @@ def kernel_cmdline(spec: VMSpec) -> str:
     )
 
 
+def _qemu_trace_args() -> str:
+    """QEMU trace events named in FLEXMIG_LAB_QEMU_TRACE, logged to the domain's log."""
+    patterns = [p for p in os.environ.get("FLEXMIG_LAB_QEMU_TRACE", "").split(",") if p]
+    args = "".join(f"<qemu:arg value='-trace'/><qemu:arg value={quoteattr(p)}/>" for p in patterns)
+    return f"\n  <qemu:commandline>{args}</qemu:commandline>" if args else ""
+
+
 def domain_xml(spec: VMSpec, kernel: str, initrd: str) -> str:
     backing = ""
     if spec.memory_backing == "file":
         # Shared file-backed memory in qemu.conf's memory_backing_dir (the
         # host's store): what split migration needs on every host from the start.
         backing = "<memoryBacking><source type='file'/><access mode='shared'/></memoryBacking>"
-    return f"""<domain type='qemu'>
+    return f"""<domain type='qemu' xmlns:qemu='http://libvirt.org/schemas/domain/qemu/1.0'>
   <name>{escape(spec.name)}</name>
   <memory unit='MiB'>{spec.ram_mib}</memory>
   <vcpu>{spec.vcpus}</vcpu>
@@ -208,6 +216,6 @@ def domain_xml(spec: VMSpec, kernel: str, initrd: str) -> str:
       <model type='virtio'/>
     </interface>
     <memballoon model='none'/>
-  </devices>
+  </devices>{_qemu_trace_args()}
 </domain>
 """

@@ -28,6 +28,9 @@ def test_moderate_vm_goes_by_precopy(lab):
         assert (result["mode"], result["transfer"]) == ("precopy", "precopy")
         assert not result["switched_to_postcopy"]
         assert result["predicted_total_ms"] > 0 and result["total_time_ms"] > 0
+        # B wrote the file-backed VM's memory back while pages arrived (QEMU
+        # msyncs guest RAM inside the downtime)
+        assert result["store_writeback_rounds"] > 0
     finally:
         vm.destroy(lab, "moderate")
 
@@ -47,6 +50,7 @@ def test_hot_anonymous_vm_goes_by_hybrid_postcopy(lab):
         result = migrate_cli.migrate(lab, "hot", "B", show=False, bandwidth_mib=64)
         _assert_intact(result, "B")
         assert result["mode"] == "postcopy" and result["switched_to_postcopy"]
+        assert result["store_writeback_rounds"] == 0  # anonymous memory: no file to write
     finally:
         vm.destroy(lab, "hot")
 
@@ -135,6 +139,9 @@ def test_agent_rejects_unauthenticated_and_malformed_requests(lab):
         status, _ = _raw_request(lab, "POST", "/v1/split/prepare", bad, headers)
         assert status == 400
     assert lab.agent("A").get("/v1/split/x")["reservation"] is None  # nothing changed
+    for bad_writeback in ({"vm": "../x", "active": True}, {"vm": "x", "active": 1}, {"vm": "x"}):
+        with pytest.raises(exceptions.FlexMigError, match="400"):
+            lab.agent("A").post("/v1/incoming/writeback", bad_writeback)
 
 
 def test_agent_listens_only_on_its_management_address(lab):
