@@ -95,3 +95,14 @@ def down_fabric() -> None:
 def set_mgmt_link(spec: HostSpec, up: bool) -> None:
     """Cut or restore a host's management/migration uplink (fault injection)."""
     _in_fabric("ip", "link", "set", spec.fabric_mgmt_if, "up" if up else "down")
+
+
+# libvirt's default migration_port_min/max: QEMU's incoming stream listens there.
+QEMU_MIGRATION_PORTS = "sport >= :49152 and sport <= :49215"
+
+
+def reset_migration_streams(source: HostSpec, dest: HostSpec) -> None:
+    """Reset QEMU's migration connections at both ends, as a fabric fault that
+    outlasts TCP would: both QEMUs see the stream fail (fault injection)."""
+    _in_host(dest, "ss", "-K", "-t", QEMU_MIGRATION_PORTS)
+    _in_host(source, "ss", "-K", "-t", QEMU_MIGRATION_PORTS.replace("sport", "dport"))

@@ -232,8 +232,9 @@ def migrate_plain(
         | extra_flags
     )
     params: dict[str, object] = {libvirt.VIR_MIGRATE_PARAM_URI: dest.spec.migration_uri}
-    if bandwidth_mib:
+    if bandwidth_mib:  # for both phases, as FlexMig's jobs cap them
         params[libvirt.VIR_MIGRATE_PARAM_BANDWIDTH] = bandwidth_mib
+        params[libvirt.VIR_MIGRATE_PARAM_BANDWIDTH_POSTCOPY] = bandwidth_mib
     with hypervisor.connect(source.local_uri, source.name) as conn:
         dom = conn.lookupByName(name)
         if max_downtime_ms:

@@ -82,7 +82,10 @@ class MigrationJob:
     def _params(self) -> dict[str, object]:
         params: dict[str, object] = {libvirt.VIR_MIGRATE_PARAM_URI: self.config.migration_uri}
         if self.config.bandwidth_mib:
+            # A cap emulates a slower link: it holds for both phases (libvirt's
+            # plain bandwidth leaves postcopy's page pushing uncapped).
             params[libvirt.VIR_MIGRATE_PARAM_BANDWIDTH] = self.config.bandwidth_mib
+            params[libvirt.VIR_MIGRATE_PARAM_BANDWIDTH_POSTCOPY] = self.config.bandwidth_mib
         return params
 
     def _start(self, flags: int) -> tuple[threading.Thread, list[BaseException]]:

@@ -95,3 +95,34 @@ def test_cutting_the_fabric_during_postcopy_recovers_when_it_returns(lab):
     finally:
         fabric.set_mgmt_link(lab.host("B").spec, True)
         vm.destroy(lab, "pc")
+
+
+def test_a_stream_reset_during_postcopy_is_resumed_by_postcopy_recovery(lab):
+    """The fabric fails for real (both QEMUs' connection reset, link down): the
+    VM pauses in postcopy on both hosts and the job resumes it once the link is back."""
+    guest = vm.create(
+        lab,
+        "A",
+        ram="512M",
+        workload="dirtier:wss=256M,rate=100000",
+        memory_backing="anonymous",
+        name="pcr",
+    )
+    spec_a, spec_b = lab.host("A").spec, lab.host("B").spec
+    try:
+        _, agent, mid = migrate_cli.start(lab, "pcr", "B", mode="postcopy", bandwidth_mib=16)
+        _wait_phase(agent, mid, "postcopy", timeout=180)
+        time.sleep(0.5)
+        fabric.set_mgmt_link(spec_b, False)
+        fabric.reset_migration_streams(spec_a, spec_b)
+        time.sleep(10)
+        fabric.set_mgmt_link(spec_b, True)
+        record = migrate_cli.follow(agent, mid)
+        assert record["state"] == "completed", (record["error"], record["events"])
+        events = [text for _ts, text in record["events"]]
+        assert any(text.startswith("postcopy resumed and completed") for text in events), events
+        assert record["summary"]["recovered"]
+        _check_vm(guest, "B")
+    finally:
+        fabric.set_mgmt_link(spec_b, True)
+        vm.destroy(lab, "pcr")
