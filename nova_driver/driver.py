@@ -139,6 +139,8 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
                 {"vm": instance.name, "ram_bytes": ram, "budget_bytes": budget},
             )
             reserved = budget
+        if reserved is None and CONF.libvirt.file_backed_memory:
+            self._writeback(instance, active=True)
         migration_id = data.migration.uuid if "migration" in data else instance.uuid
         scope, key = planning.scoped_credential(
             self._flexmig_key,
@@ -173,6 +175,42 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             offer = offer_of(migrate_data)
             if offer is not None and offer.split_budget_bytes is not None:
                 self._release_split(instance)
+            elif CONF.libvirt.file_backed_memory:
+                self._writeback(instance, active=False)
+
+    def post_live_migration_at_destination(
+        self,
+        context: Any,
+        instance: Any,
+        network_info: Any,
+        block_migration: bool = False,
+        block_device_info: Any = None,
+    ) -> None:
+        try:
+            super().post_live_migration_at_destination(
+                context, instance, network_info, block_migration, block_device_info
+            )
+        finally:
+            if CONF.libvirt.file_backed_memory:
+                self._writeback(instance, active=False)
+
+    def _writeback(self, instance: Any, active: bool) -> None:
+        """The local agent writes the incoming VM's memory file back while pages
+        arrive: QEMU msyncs file-backed guest RAM inside the downtime."""
+        body = {"vm": instance.name, "active": active}
+        try:
+            reply = self._local_agent().post("/v1/incoming/writeback", body)
+        except exceptions.FlexMigError as exc:
+            LOG.warning(
+                "FlexMig: store writeback not %s: %s", "started" if active else "ended", exc
+            )
+            return
+        if not active:
+            LOG.info(
+                "FlexMig: store writeback ended after %s rounds",
+                reply.get("rounds"),
+                instance=instance,
+            )
 
     def _release_split(self, instance: Any) -> None:
         try:

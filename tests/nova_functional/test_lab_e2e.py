@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import time
 from typing import Any
 from unittest import mock
@@ -215,6 +216,10 @@ class TestNovaMovesRealGuest(
     def test_moderate_guest_goes_by_precopy(self) -> None:
         _name, _migration, seen = self._boot_and_migrate(MODERATE)
         self.assertEqual(["flexmig_precopy"], seen["events"])
+        # lab-b's agent wrote the file-backed guest's memory back as pages arrived
+        rounds = re.search(r"store writeback ended after (\d+) rounds", self.stdlog.logger.output)
+        self.assertIsNotNone(rounds, "the destination never ended a store writeback")
+        self.assertGreater(int(rounds.group(1)), 0)
 
     def test_hot_guest_goes_by_hybrid_postcopy(self) -> None:
         # Anonymous memory on both ends, and a 64 MiB/s stream (Nova's own cap).
