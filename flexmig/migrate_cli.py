@@ -114,6 +114,8 @@ def migrate(
         guest.wait_heartbeat(host=landed)
         beats = guest.heartbeat(since_ns=start_ns)
         result["guest_observed_downtime_ms"] = round(beats.longest_gap_ms, 1)
+        result["guest_switchover_gap_ms"] = round(beats.switchover_gap_ms, 1)
+        result["guest_longest_gap_at_ms"] = round((beats.gap_start_ns - start_ns) / 1e6)
         result["heartbeat_hosts"] = "->".join(beats.hosts)
         result["verify"] = guest.verify()
     return result

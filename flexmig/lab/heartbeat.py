@@ -28,6 +28,7 @@ class GapReport:
     gap_start_ns: int  # host time of the beat before the longest gap
     hosts: tuple[str, ...]  # hosts in the order beats came from them
     last_host: str | None
+    switchover_gap_ms: float = 0.0  # longest gap across a change of host
 
     def as_dict(self) -> dict[str, object]:
         return dataclasses.asdict(self)
@@ -47,19 +48,21 @@ def analyse(beats: list[Beat], *, since_ns: int = 0, until_ns: int | None = None
 
     >>> b = [Beat(0, "A", 0), Beat(10_000_000, "A", 1), Beat(250_000_000, "B", 2)]
     >>> r = analyse(b)
-    >>> r.longest_gap_ms, r.hosts, r.last_host
-    (240.0, ('A', 'B'), 'B')
+    >>> r.longest_gap_ms, r.hosts, r.last_host, r.switchover_gap_ms
+    (240.0, ('A', 'B'), 'B', 240.0)
     """
     window = [
         b for b in beats if b.host_ns >= since_ns and (until_ns is None or b.host_ns <= until_ns)
     ]
     window.sort(key=lambda b: b.counter)
-    longest, start = 0, 0
+    longest, start, switchover = 0, 0, 0
     hosts: list[str] = []
     for prev, cur in itertools.pairwise(window):
         gap = cur.host_ns - prev.host_ns
         if gap > longest:
             longest, start = gap, prev.host_ns
+        if cur.host != prev.host:
+            switchover = max(switchover, gap)
     for beat in window:
         if not hosts or hosts[-1] != beat.host:
             hosts.append(beat.host)
@@ -69,4 +72,5 @@ def analyse(beats: list[Beat], *, since_ns: int = 0, until_ns: int | None = None
         gap_start_ns=start,
         hosts=tuple(hosts),
         last_host=window[-1].host if window else None,
+        switchover_gap_ms=switchover / 1e6,
     )
