@@ -101,9 +101,14 @@ static int sender_bootstrap(struct fm_session *s, const char *token)
 		ret = fm_post_all_recvs(s);
 	if (ret)
 		return ret;
-	s->local_fd = c->input ? open_file(c->input, 0)
-			       : fm_unix_listen_accept(c->listen_unix,
-						       c->timeout_s * 1000 * ACCEPT_TIMEOUT_FACTOR);
+	if (c->input)
+		s->local_fd = open_file(c->input, 0);
+	else if (c->listen_unix)
+		s->local_fd = fm_unix_listen_accept(c->listen_unix,
+						    c->timeout_s * 1000 * ACCEPT_TIMEOUT_FACTOR);
+	else
+		s->local_fd = fm_unix_accept_fd(c->listen_fd,
+						c->timeout_s * 1000 * ACCEPT_TIMEOUT_FACTOR);
 	return s->local_fd < 0 ? s->local_fd : 0;
 }
 

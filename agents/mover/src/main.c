@@ -51,6 +51,8 @@ static void usage(FILE *out)
 		     "  --token-file PATH     the migration's credential (or FM_MOVER_TOKEN)\n"
 		     "  --input PATH|-        send: read the stream from a file or stdin\n"
 		     "  --listen-unix PATH    send: accept the source QEMU's connection here\n"
+		     "  --listen-fd FD        send: accept one connection on this inherited listening\n"
+		     "                        socket (parallel streams share one socket path)\n"
 		     "  --output PATH|-       recv: write the stream to a file or stdout\n"
 		     "  --connect-unix PATH   recv: deliver to the destination QEMU's socket\n"
 		     "  --stats-file PATH     write the closing statistics (JSON) here\n"
@@ -146,7 +148,7 @@ static const struct option long_opts[] = {
 	{"connect-unix", 1, 0, 'C'}, {"stats-file", 1, 0, 's'},	 {"inject-corruption", 1, 0, 'X'},
 	{"provider", 1, 0, 'P'},     {"batch-kib", 1, 0, 'b'},	 {"depth", 1, 0, 'd'},
 	{"slots", 1, 0, 'S'},	     {"port", 1, 0, 'O'},	 {"timeout", 1, 0, 'T'},
-	{"help", 0, 0, 'h'},	     {0, 0, 0, 0},
+	{"listen-fd", 1, 0, 'F'},    {"help", 0, 0, 'h'},	 {0, 0, 0, 0},
 };
 
 static int finish_config(struct fm_config *c, const char **t, char *token, const char *tok_path)
@@ -165,7 +167,13 @@ static int finish_config(struct fm_config *c, const char **t, char *token, const
 	c->timeout_s = (int)v[4];
 	c->provider = t[5] ? t[5] : getenv("FM_MOVER_PROVIDER") ? getenv("FM_MOVER_PROVIDER")
 								 : "tcp;ofi_rxm";
-	if (!c->local || (!strcmp(c->role, "send") && (!c->peer || !!c->input == !!c->listen_unix)) ||
+	if (c->listen_fd != -1 && (c->listen_fd < 0 || fcntl(c->listen_fd, F_GETFD) < 0)) {
+		fprintf(stderr, "mover: --listen-fd needs an open descriptor >= 3\n");
+		return -EINVAL;
+	}
+	if (!c->local ||
+	    (!strcmp(c->role, "send") &&
+	     (!c->peer || !!c->input + !!c->listen_unix + (c->listen_fd >= 0) != 1)) ||
 	    (!strcmp(c->role, "recv") && !!c->output == !!c->connect_unix)) {
 		fprintf(stderr, "mover: send needs --local, --peer and one of --input/--listen-unix; "
 				"recv needs --local and one of --output/--connect-unix\n");
@@ -180,12 +188,21 @@ static int finish_config(struct fm_config *c, const char **t, char *token, const
 	return 0;
 }
 
+static int parse_fd(const char *v)
+{
+	char *end;
+	long fd = strtol(v, &end, 10);
+
+	return *end || fd < 3 || fd > 65535 ? -2 : (int)fd;
+}
+
 int fm_parse_args(int argc, char **argv, struct fm_config *c, char *token)
 {
 	const char *tun[6] = {0}, *tok_path = NULL;
 	int opt;
 
 	c->inject_corruption = -1;
+	c->listen_fd = -1;
 	if (argc < 2 || (strcmp(argv[1], "send") && strcmp(argv[1], "recv"))) {
 		usage(argc > 1 && !strcmp(argv[1], "--help") ? stdout : stderr);
 		return argc > 1 && !strcmp(argv[1], "--help") ? 1 : -EINVAL;
@@ -199,6 +216,7 @@ int fm_parse_args(int argc, char **argv, struct fm_config *c, char *token)
 		case 't': tok_path = optarg; break;
 		case 'i': c->input = optarg; break;
 		case 'L': c->listen_unix = optarg; break;
+		case 'F': c->listen_fd = parse_fd(optarg); break;
 		case 'o': c->output = optarg; break;
 		case 'C': c->connect_unix = optarg; break;
 		case 's': c->stats_file = optarg; break;

@@ -25,6 +25,7 @@ struct fm_config {
 	const char *token;
 	const char *input;	  /* send: file or "-" */
 	const char *listen_unix;  /* send: QEMU connects here */
+	int listen_fd;		  /* send: or accept QEMU on this inherited listening socket */
 	const char *output;	  /* recv: file or "-" */
 	const char *connect_unix; /* recv: QEMU listens here */
 	int timeout_s;
