@@ -109,6 +109,7 @@ static int sender_bootstrap(struct fm_session *s, const char *token)
 	else
 		s->local_fd = fm_unix_accept_fd(c->listen_fd,
 						c->timeout_s * 1000 * ACCEPT_TIMEOUT_FACTOR);
+	s->input_is_socket = 1; /* until recv() says ENOTSOCK */
 	return s->local_fd < 0 ? s->local_fd : 0;
 }
 

@@ -19,7 +19,6 @@
 #include "session.h"
 
 #define MAX_BATCH_KIB (64 * 1024)
-#define MAX_SLOTS 256
 
 /* Every tunable once: option, environment variable, default, bounds, help. */
 struct tunable {
@@ -35,7 +34,7 @@ static const struct tunable tunables[] = {
 	 "batch size in KiB (default 4096: seed 000's 1,024 pages)"},
 	{"depth", "FM_MOVER_DEPTH", "4", 1, FM_MAX_DEPTH - 1,
 	 "batches in flight; 1 disables the overlap of filling, transfer and draining"},
-	{"slots", "FM_MOVER_SLOTS", "8", 1, MAX_SLOTS, "receiver: slots in its registered ring"},
+	{"slots", "FM_MOVER_SLOTS", "8", 1, FM_MAX_SLOTS, "receiver: slots in its registered ring"},
 	{"port", "FM_MOVER_PORT", "7471", 1, 65535, "bootstrap TCP port on the receiver"},
 	{"timeout", "FM_MOVER_TIMEOUT", "10", 1, 3600,
 	 "seconds allowed for bootstrap, and of peer silence while it owes a completion"},

@@ -188,13 +188,21 @@ void fm_print_stats(struct fm_session *s)
 		fclose(out);
 }
 
-int fm_idle(struct fm_session *s, double *seen)
+int fm_wait(struct fm_session *s, int fd, short events, int timeout_ms)
 {
-	if (s->last_progress != *seen) {
-		*seen = s->last_progress;
-		return 0;
-	}
-	/* Block on the CQ (it keeps the provider progressing) rather than spin:
-	 * the movers share the cores with QEMU. */
-	return fm_progress_wait(s, 1);
+	struct fid *cq = &s->fab.cq->fid;
+	struct pollfd p[3] = {
+		{.fd = s->fab.cq_fd, .events = POLLIN},
+		{.fd = s->oob_fd, .events = POLLIN},
+		{.fd = fd, .events = events},
+	};
+
+	if (s->fab.cq_fd < 0)
+		return fm_progress_wait(s, 1); /* no fd to poll: a short wait on the CQ alone */
+	/* fi_trywait fails (FI_EAGAIN) while the provider has work the fd would not
+	 * announce; then progressing now is the right thing to do. */
+	if (fi_trywait(s->fab.fabric, &cq, 1) == FI_SUCCESS &&
+	    poll(p, fd >= 0 && events ? 3 : 2, timeout_ms) < 0 && errno != EINTR)
+		return -errno;
+	return fm_progress(s);
 }
