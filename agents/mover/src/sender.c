@@ -80,7 +80,6 @@ static int post_write(struct fm_session *s, int i)
 	ssize_t ret;
 
 	b->slot = fm_ring_claim(&s->ring, &b->seq);
-	b->crc = fm_crc32c(0, iov.iov_base, b->len);
 	if ((int64_t)b->seq == s->cfg->inject_corruption)
 		buf_data(s, i)[b->len / 2] ^= 0x40; /* test hook: damage after the CRC */
 	rma.addr = s->ring_addr + (uint64_t)b->slot * s->slot_size;
@@ -165,6 +164,8 @@ static ssize_t fill_from_input(struct fm_session *s, int *eof)
 	}
 	if (s->stats.bytes == 0 && b->len == 0)
 		s->stats.seconds = fm_now(); /* start of the clock: first byte */
+	/* CRC what was just read while it is still in cache, not 4 MiB later. */
+	b->crc = fm_crc32c(b->len ? b->crc : 0, buf_data(s, fill_index) + b->len, (size_t)n);
 	b->len += (size_t)n;
 	s->stats.bytes += (uint64_t)n;
 	return n;
