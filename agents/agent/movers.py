@@ -34,7 +34,7 @@ from flexmig import exceptions
 
 PORT_RANGE = range(7470, 7500)
 MAX_STREAMS = 9  # libvirt's parallel connections (<= 8 here) plus the main stream
-SUMMED_STATS = ("bytes", "batches", "reverse_bytes", "cpu_user_s", "cpu_sys_s")
+SUMMED_STATS = ("bytes", "batches", "reverse_bytes", "cpu_user_s", "cpu_sys_s", "cpu_transfer_s")
 _next_port = [0]
 
 

@@ -113,7 +113,7 @@ static int deliver(struct fm_session *s)
 		if (n < 0)
 			return reject(s, d->seq, -errno);
 		if (s->stats.bytes == 0)
-			s->stats.seconds = fm_now();
+			fm_start_clock(s);
 		d->off += (size_t)n;
 		s->stats.bytes += (uint64_t)n;
 		if (d->off < d->len)
@@ -198,8 +198,9 @@ int fm_run_receiver(struct fm_session *s)
 			ret = fm_check_peer(s, 0);
 		if (ret || (s->fin_received && !s->queued))
 			break;
+		/* Only QEMU's socket is worth polling; a file is always ready. */
 		events = (short)((s->queued ? POLLOUT : 0) | (closed ? 0 : POLLIN));
-		ret = fm_wait(s, s->local_fd, events, 100);
+		ret = fm_wait(s, s->cfg->connect_unix ? s->local_fd : -1, events, 100);
 	}
 	if (!ret) {
 		fin.seq = s->stats.bytes;

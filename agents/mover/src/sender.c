@@ -163,7 +163,7 @@ static ssize_t fill_from_input(struct fm_session *s, int *eof)
 		return 0;
 	}
 	if (s->stats.bytes == 0 && b->len == 0)
-		s->stats.seconds = fm_now(); /* start of the clock: first byte */
+		fm_start_clock(s);
 	/* CRC what was just read while it is still in cache, not 4 MiB later. */
 	b->crc = fm_crc32c(b->len ? b->crc : 0, buf_data(s, fill_index) + b->len, (size_t)n);
 	b->len += (size_t)n;
@@ -228,8 +228,11 @@ static int pump(struct fm_session *s)
 		/* Nothing owed by the peer: silence is our input's, not the peer's. */
 		if (!fm_ring_in_flight(&s->ring) && !writes_pending(s))
 			s->last_progress = fm_now();
+		/* tcp;ofi_rxm's wait fd announces arriving messages but not room to
+		 * continue a large write, so while one is partly sent wake each ms. */
 		if (got == 0) {
-			ret = fm_wait(s, !eof && fill_buf(s) ? s->local_fd : -1, POLLIN, 100);
+			ret = fm_wait(s, !eof && fill_buf(s) ? s->local_fd : -1, POLLIN,
+				      writes_pending(s) ? 1 : 100);
 			if (ret)
 				return ret;
 		}

@@ -161,6 +161,21 @@ int fm_check_peer(struct fm_session *s, int owed)
 	return 0;
 }
 
+static double cpu_seconds(const struct rusage *ru)
+{
+	return (double)ru->ru_utime.tv_sec + ru->ru_utime.tv_usec / 1e6 +
+	       (double)ru->ru_stime.tv_sec + ru->ru_stime.tv_usec / 1e6;
+}
+
+void fm_start_clock(struct fm_session *s)
+{
+	struct rusage ru;
+
+	getrusage(RUSAGE_SELF, &ru);
+	s->stats.seconds = fm_now();
+	s->stats.cpu_at_first_byte = cpu_seconds(&ru);
+}
+
 void fm_print_stats(struct fm_session *s)
 {
 	struct rusage ru;
@@ -177,13 +192,14 @@ void fm_print_stats(struct fm_session *s)
 		"{\"role\": \"%s\", \"provider\": \"%s\", \"bytes\": %llu, \"batches\": %llu, "
 		"\"reverse_bytes\": %llu, \"seconds\": %.6f, \"mib_per_s\": %.1f, "
 		"\"cpu_user_s\": %.3f, \"cpu_sys_s\": %.3f, \"batch_kib\": %u, \"depth\": %u, "
-		"\"ordered\": %d}\n",
+		"\"ordered\": %d, \"cpu_transfer_s\": %.3f}\n",
 		s->cfg->role, s->cfg->provider, (unsigned long long)s->stats.bytes,
 		(unsigned long long)s->stats.batches, (unsigned long long)s->stats.reverse_bytes,
 		s->stats.seconds, s->stats.seconds > 0 ? mib / s->stats.seconds : 0.0,
 		(double)ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6,
 		(double)ru.ru_stime.tv_sec + ru.ru_stime.tv_usec / 1e6, s->cfg->batch_kib,
-		s->ring.depth, s->fab.ordered);
+		s->ring.depth, s->fab.ordered,
+		s->stats.seconds > 0 ? cpu_seconds(&ru) - s->stats.cpu_at_first_byte : 0.0);
 	if (out != stderr)
 		fclose(out);
 }

@@ -63,6 +63,7 @@ struct fm_delivery {
 struct fm_stats {
 	uint64_t bytes, batches, reverse_bytes;
 	double seconds, wait_credit_seconds;
+	double cpu_at_first_byte; /* user+sys: what setup cost is apart from the transfer's */
 };
 
 struct fm_session {
@@ -105,6 +106,8 @@ int fm_check_peer(struct fm_session *s, int owed);
 /* Nothing to do: sleep until the fabric, the bootstrap line or @fd (for @events;
  * fd < 0: none) is ready, at most @timeout_ms, then progress.  0 or -errno. */
 int fm_wait(struct fm_session *s, int fd, short events, int timeout_ms);
+/* The first byte moves: start the clock and note the CPU spent so far (setup). */
+void fm_start_clock(struct fm_session *s);
 void fm_print_stats(struct fm_session *s);
 
 int fm_run_sender(struct fm_session *s);
