@@ -171,18 +171,20 @@ static ssize_t fill_from_input(struct fm_session *s, int *eof)
 	return n;
 }
 
-static uint32_t writes_pending(struct fm_session *s)
+static int writes_pending(struct fm_session *s)
 {
-	uint32_t i, n = 0;
+	uint32_t i;
 
 	for (i = 0; i <= s->ring.depth; i++)
-		n += s->bufs[i].state == FM_BUF_WRITING;
-	return n;
+		if (s->bufs[i].state == FM_BUF_WRITING)
+			return 1;
+	return 0;
 }
 
 /*
  * Ship the filling batch when it is full, at the end of the input, or when the
- * input has nothing more right now and fewer than two batches are in flight.
+ * input has nothing more right now and fewer than two batches are in flight
+ * (claimed and not yet credited).
  * QEMU writes 32 KiB at a time and the mover reads faster than that, so
  * shipping whenever the socket is momentarily empty would send batches of a
  * few KiB, each paying a write, a CRC call, two messages and a credit.
@@ -197,7 +199,7 @@ static int should_ship(struct fm_session *s, int eof, ssize_t got)
 		return 0;
 	b = &s->bufs[fill_index];
 	return b->len == s->slot_size || eof ||
-	       (got == 0 && fm_ring_in_flight(&s->ring) + writes_pending(s) < 2);
+	       (got == 0 && fm_ring_in_flight(&s->ring) < 2);
 }
 
 static int pump(struct fm_session *s)
