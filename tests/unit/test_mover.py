@@ -202,3 +202,29 @@ def test_too_many_streams_are_refused_before_anything_starts(tmp_path):
     with pytest.raises(exceptions.InvalidInput):
         movers.start_receivers(str(tmp_path), "127.0.0.1", "abc123", TOKEN, 10)
     assert not list(tmp_path.iterdir())
+
+
+class _NoMigrations:
+    def start(self, *args, **kwargs):
+        raise AssertionError("a refused request must start nothing")
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        ({"parallel": 2, "mode": "postcopy"}, "need mode 'precopy'"),
+        ({"parallel": 2}, "need mode 'precopy'"),  # auto may pick postcopy or split
+        ({"parallel": 9, "mode": "precopy"}, "not in 1..8"),
+        ({"parallel": 0, "mode": "precopy"}, "not in 1..8"),
+        ({"parallel": "4", "mode": "precopy"}, "parallel"),
+    ],
+)
+def test_the_agent_refuses_bad_parallel_requests(extra, reason):
+    from types import SimpleNamespace
+
+    from agents.agent import api, service
+
+    agent = SimpleNamespace(migrations=_NoMigrations(), _destination=lambda dest: dest)
+    body = {"vm": "vm0", "dest": {}, **extra}
+    with pytest.raises(api.BadRequest, match=reason):
+        service.Agent.migrate(agent, body, None)
