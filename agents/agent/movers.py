@@ -12,9 +12,9 @@ connections to that same path.  Each one rides its own mover pair: the agent
 binds the socket once and every source mover accepts on it, so the kernel
 hands each connection to a different mover; each destination mover connects to
 the destination QEMU on its own.  The order in which they arrive there does not
-matter: QEMU (>= 8.1) peeks at each new connection's first bytes and tells the
-main stream (QEMU_VM_FILE_MAGIC) from a multifd channel (its own magic and
-channel id).
+matter: without postcopy-ram, QEMU (>= 8.1) peeks at each new connection's
+first bytes and tells the main stream (QEMU_VM_FILE_MAGIC) from a multifd
+channel (its own magic and channel id) -- hence parallel only for precopy.
 """
 
 from __future__ import annotations

@@ -194,8 +194,10 @@ class Agent:
         if not 1 <= parallel <= MAX_PARALLEL:
             raise api.BadRequest(reason=f"parallel {parallel} not in 1..{MAX_PARALLEL}")
         if parallel > 1 and mode != "precopy":
-            # libvirt 9.0 with QEMU's multifd is a precopy path here; postcopy's
-            # and split's page requests keep to the single main stream.
+            # QEMU 10.0 tells its main connection from a multifd channel by
+            # peeking at the first bytes only without postcopy-ram; with it, the
+            # first connection to arrive is taken as the main one, an order
+            # that independent mover pairs cannot promise.
             raise api.BadRequest(reason="parallel connections need mode 'precopy'")
         record = self.migrations.start(
             body["vm"],
