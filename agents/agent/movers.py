@@ -33,6 +33,7 @@ from agents.mover import BINARY
 from flexmig import exceptions
 
 PORT_RANGE = range(7470, 7500)
+READY_TIMEOUT_S = 15.0
 MAX_STREAMS = 9  # libvirt's parallel connections (<= 8 here) plus the main stream
 SUMMED_STATS = ("bytes", "batches", "reverse_bytes", "cpu_user_s", "cpu_sys_s", "cpu_transfer_s")
 _next_port = [0]
@@ -80,6 +81,10 @@ class MoverProcess:
         self.token_file = base.with_suffix(".token")
         self.stats_file = base.with_suffix(".stats")
         self.log_file = base.with_suffix(".log")
+        self.ready_file = base.with_suffix(".ready")
+        self.ready_file.unlink(missing_ok=True)
+        if pass_fds:  # a sender accepting on the agent's socket
+            args = [*args, "--listen-fd", str(pass_fds[0]), "--ready-file", str(self.ready_file)]
         fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(token)
@@ -107,6 +112,7 @@ class MoverProcess:
             self.kill()
             rc = -1
         self.token_file.unlink(missing_ok=True)
+        self.ready_file.unlink(missing_ok=True)
         if rc != 0:
             raise exceptions.FlexMigError(
                 f"mover exited with {rc}: {self.log_file.read_text(errors='replace')[-300:]}"
@@ -157,6 +163,21 @@ def combine_stats(per_stream: list[dict[str, Any]]) -> dict[str, Any]:
     total["streams"] = len(per_stream)
     total["stream_bytes"] = [s.get("bytes", 0) for s in per_stream]
     return total
+
+
+def wait_ready(senders: list[MoverProcess], timeout: float = READY_TIMEOUT_S) -> None:
+    """Until every sender reached its receiver and registered its buffers.
+
+    Starting libvirt earlier would let the movers' setup (fabric, registration,
+    bootstrap: ~0.15 s of CPU each) compete with the migration on the cores.
+    """
+    deadline = time.monotonic() + timeout
+    for mover in senders:
+        while not mover.ready_file.exists():
+            if mover.proc.poll() is not None or time.monotonic() > deadline:
+                log = mover.log_file.read_text(errors="replace")[-300:]
+                raise exceptions.FlexMigError(f"source mover did not get ready: {log}")
+            time.sleep(0.01)
 
 
 def check_streams(streams: int) -> None:
@@ -227,17 +248,11 @@ def start_senders(
         fd = listener.fileno()
         for stream, port in enumerate(ports):
             args = ["--local", local, "--peer", peer, "--port", str(port)]
-            members.append(
-                MoverProcess(
-                    state_dir,
-                    migration_id,
-                    "send",
-                    [*args, "--listen-fd", str(fd)],
-                    token,
-                    stream,
-                    pass_fds=(fd,),
-                )
+            mover = MoverProcess(
+                state_dir, migration_id, "send", args, token, stream, pass_fds=(fd,)
             )
+            members.append(mover)
+        wait_ready(members)
     except OSError as exc:
         MoverSet(members).kill()
         raise exceptions.FlexMigError(f"source movers: socket {path}: {exc}") from exc

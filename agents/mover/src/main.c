@@ -55,6 +55,8 @@ static void usage(FILE *out)
 		     "  --output PATH|-       recv: write the stream to a file or stdout\n"
 		     "  --connect-unix PATH   recv: deliver to the destination QEMU's socket\n"
 		     "  --stats-file PATH     write the closing statistics (JSON) here\n"
+		     "  --ready-file PATH     send: create it once connected to the receiver, before\n"
+		     "                        accepting QEMU (the agent starts libvirt after that)\n"
 		     "  --inject-corruption N test hook: damage batch N after its CRC\n");
 	for (i = 0; i < sizeof(tunables) / sizeof(tunables[0]); i++)
 		fprintf(out, "  --%-19s %s [%s, env %s]\n", tunables[i].opt, tunables[i].help,
@@ -106,6 +108,23 @@ static int read_token(const char *path, char *out)
 	return n >= 16 ? 0 : -EINVAL;
 }
 
+/*
+ * Let libfabric load only the providers asked for ("tcp;ofi_rxm" -> "tcp,ofi_rxm"):
+ * probing every installed one (psm's hardware scan sleeps) costs each mover tens
+ * of ms before it can take QEMU.  FI_PROVIDER set by the caller wins.
+ */
+static void load_only(const char *provider)
+{
+	char list[128];
+	char *p;
+
+	snprintf(list, sizeof(list), "%s", provider);
+	for (p = list; *p; p++)
+		if (*p == ';')
+			*p = ',';
+	setenv("FI_PROVIDER", list, 0);
+}
+
 int fm_parse_args(int argc, char **argv, struct fm_config *c, char *token);
 int fm_bootstrap(struct fm_session *s, const char *token);
 
@@ -121,6 +140,7 @@ int main(int argc, char **argv)
 	ret = fm_parse_args(argc, argv, &cfg, token);
 	if (ret)
 		return ret > 0 ? 0 : 2;
+	load_only(cfg.provider);
 	s.cfg = &cfg;
 	s.oob_fd = s.local_fd = -1;
 	ret = fm_bootstrap(&s, token);
@@ -147,7 +167,8 @@ static const struct option long_opts[] = {
 	{"connect-unix", 1, 0, 'C'}, {"stats-file", 1, 0, 's'},	 {"inject-corruption", 1, 0, 'X'},
 	{"provider", 1, 0, 'P'},     {"batch-kib", 1, 0, 'b'},	 {"depth", 1, 0, 'd'},
 	{"slots", 1, 0, 'S'},	     {"port", 1, 0, 'O'},	 {"timeout", 1, 0, 'T'},
-	{"listen-fd", 1, 0, 'F'},    {"help", 0, 0, 'h'},	 {0, 0, 0, 0},
+	{"listen-fd", 1, 0, 'F'},    {"ready-file", 1, 0, 'R'},	 {"help", 0, 0, 'h'},
+	{0, 0, 0, 0},
 };
 
 static int finish_config(struct fm_config *c, const char **t, char *token, const char *tok_path)
@@ -219,6 +240,7 @@ int fm_parse_args(int argc, char **argv, struct fm_config *c, char *token)
 		case 'o': c->output = optarg; break;
 		case 'C': c->connect_unix = optarg; break;
 		case 's': c->stats_file = optarg; break;
+		case 'R': c->ready_file = optarg; break;
 		case 'X': c->inject_corruption = atoll(optarg); break;
 		case 'b': tun[0] = optarg; break;
 		case 'd': tun[1] = optarg; break;

@@ -32,6 +32,7 @@ struct fm_config {
 	int timeout_s;
 	int64_t inject_corruption; /* batch to corrupt after its CRC (tests), or -1 */
 	const char *stats_file;
+	const char *ready_file; /* send: created once bootstrapped */
 };
 
 enum fm_op_kind { FM_OP_RECV, FM_OP_SEND, FM_OP_WRITE };
