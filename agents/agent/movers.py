@@ -233,8 +233,9 @@ def start_senders(
 ) -> MoverSet:
     """One sending mover per receiver, all accepting on the migration's socket.
 
-    The socket is bound before this returns, so QEMU can connect as soon as
-    libvirt starts it; connections queue in the backlog until a mover accepts.
+    The socket is bound and every mover connected to its receiver before this
+    returns, so QEMU's connections, as soon as libvirt starts it, find a mover
+    ready to accept them (they wait in the backlog for the race to one).
     """
     check_streams(len(ports))
     path = socket_path(state_dir, migration_id)
