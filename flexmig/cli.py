@@ -185,6 +185,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         args.max_downtime_ms,
         bandwidth_mib=args.bandwidth_mib,
         transport=args.transport,
+        parallel=args.parallel,
     )
     if args.json:
         _print(result, True)
@@ -201,7 +202,13 @@ def _print_summary(result: dict[str, object]) -> None:
         "result": result["state"] + (f" ({result['error']})" if result.get("error") else ""),
         "running on": result.get("running_on"),
         "mode": f"{result.get('mode')} (pages moved by {result.get('transfer')}, "
-        f"over {result.get('transport')})",
+        f"over {result.get('transport')}"
+        + (
+            f", {result.get('parallel')} parallel connections"
+            if (result.get("parallel") or 1) > 1
+            else ""
+        )
+        + ")",
         "total time": f"{result.get('total_time_ms')} ms "
         f"(predicted {result.get('predicted_total_ms')} ms)",
         "guest-observed downtime": f"{result.get('guest_observed_downtime_ms')} ms "
@@ -226,6 +233,16 @@ def cmd_host_budget(args: argparse.Namespace) -> int:
     return 0
 
 
+def _parallel_connections(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 1 <= value <= 8:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of connections in 1..8")
+    return value
+
+
 def _add_migration_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     for name, func, text in (
         ("explain", cmd_explain, "the mode FlexMig would pick, and why"),
@@ -248,6 +265,15 @@ def _add_migration_parsers(sub: argparse._SubParsersAction) -> None:  # type: ig
             choices=("auto", "qemu-tcp", "mover"),
             help="how the stream travels (auto: see flexmig explain)",
         )
+        if name == "migrate":
+            p.add_argument(
+                "--parallel",
+                type=_parallel_connections,
+                default=1,
+                metavar="N",
+                help="parallel connections (libvirt/QEMU multifd, precopy only), each its "
+                "own mover stream with --transport mover; 1..8, default 1",
+            )
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=func)
 

@@ -24,6 +24,7 @@ def _request(
     max_downtime_ms: int | None,
     bandwidth_mib: int = 0,
     transport: str = "auto",
+    parallel: int = 1,
 ) -> tuple[str, dict[str, Any]]:
     source = lab_vm.LabVM(lab, name).locate()
     if source is None:
@@ -47,6 +48,8 @@ def _request(
         body["bandwidth_mib"] = bandwidth_mib
     if transport != "auto":
         body["transport"] = transport
+    if parallel != 1:
+        body["parallel"] = parallel
     return source, body
 
 
@@ -71,9 +74,12 @@ def start(
     bandwidth_mib: int = 0,
     transport: str = "auto",
     store_writeback: bool = True,
+    parallel: int = 1,
 ) -> tuple[str, Any, str]:
     """Start a migration on the source agent: (source host, its agent, migration id)."""
-    source, body = _request(lab, name, to, mode, max_downtime_ms, bandwidth_mib, transport)
+    source, body = _request(
+        lab, name, to, mode, max_downtime_ms, bandwidth_mib, transport, parallel
+    )
     if not store_writeback:  # benchmarks compare with and without
         body["store_writeback"] = False
     agent = lab.agent(source)
@@ -90,12 +96,13 @@ def migrate(
     bandwidth_mib: int = 0,
     transport: str = "auto",
     store_writeback: bool = True,
+    parallel: int = 1,
 ) -> dict[str, Any]:
     """Run a FlexMig migration and measure it from inside the guest."""
     guest = lab_vm.LabVM(lab, name)
     start_ns = time.monotonic_ns()
     source, agent, migration_id = start(
-        lab, name, to, mode, max_downtime_ms, bandwidth_mib, transport, store_writeback
+        lab, name, to, mode, max_downtime_ms, bandwidth_mib, transport, store_writeback, parallel
     )
     record = _follow(agent, migration_id, f"{name} {source}->{to.upper()}", show)
     result: dict[str, Any] = {

@@ -84,6 +84,7 @@ class MigrationRecord:
     requested_transport: str = "auto"
     store_writeback: bool = True
     writeback_rounds: int | None = None
+    parallel: int = 1  # libvirt parallel connections (QEMU multifd channels); 1: none
     transport: TransportChoice | None = None
     state: str = "planning"
     decision: Decision | None = None
@@ -196,6 +197,7 @@ class MigrationService:
         bandwidth_mib: int = 0,
         transport: str = "auto",
         store_writeback: bool = True,
+        parallel: int = 1,
     ) -> MigrationRecord:
         record = MigrationRecord(
             id=uuid.uuid4().hex[:12],
@@ -205,6 +207,7 @@ class MigrationService:
             bandwidth_mib=bandwidth_mib,
             requested_transport=transport,
             store_writeback=store_writeback,
+            parallel=parallel,
         )
         with self.lock:
             if any(
@@ -273,6 +276,7 @@ class MigrationService:
             stall_timeout_s=self.conf.agent.stall_timeout,
             recovery_timeout_s=self.conf.agent.recovery_timeout,
             downtime_budget_ms=record.downtime_budget_ms,
+            parallel=record.parallel,
         )
 
         def progress(phase: str, stats: dict[str, int]) -> None:
@@ -309,6 +313,7 @@ class MigrationService:
             return
         record.summary = self._summary(record, dest, result)
         record.summary["transport"] = record.transport.transport
+        record.summary["parallel"] = record.parallel
         record.summary["movers"] = mover_stats
         record.summary["store_writeback"] = record.store_writeback
         record.summary["store_writeback_rounds"] = record.writeback_rounds
@@ -330,17 +335,20 @@ class MigrationService:
         except (exceptions.FlexMigError, KeyError, TypeError, ValueError):
             return None
 
-    def _start_movers(self, record: MigrationRecord, dest: Destination) -> movers.MoverProcess:
+    def _start_movers(self, record: MigrationRecord, dest: Destination) -> movers.MoverSet:
         token = movers.new_token()  # scoped to this migration, never reused
-        port = dest.agent.post("/v1/mover/receive", {"migration_id": record.id, "token": token})[
-            "port"
-        ]
+        # QEMU's multifd opens the main connection and one per channel.
+        streams = record.parallel + 1 if record.parallel > 1 else 1
+        ports = dest.agent.post(
+            "/v1/mover/receive",
+            {"migration_id": record.id, "token": token, "streams": streams},
+        )["ports"]
         try:
-            return movers.start_sender(
+            return movers.start_senders(
                 self.conf.agent.state_dir,
                 self.conf.agent.listen_address,
                 dest.agent.address,
-                port,
+                ports,
                 record.id,
                 token,
             )
@@ -356,11 +364,12 @@ class MigrationService:
         self,
         record: MigrationRecord,
         dest: Destination,
-        sender: movers.MoverProcess | None,
+        sender: movers.MoverSet | None,
         ok: bool,
     ) -> dict[str, Any] | None:
         if sender is None:
             return None
+        Path(movers.socket_path(self.conf.agent.state_dir, record.id)).unlink(missing_ok=True)
         if not ok:
             sender.kill()
             _quietly(

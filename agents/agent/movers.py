@@ -6,21 +6,36 @@ file for its mover.  The destination mover listens for the source mover only
 on the management address; the source mover accepts the source QEMU on a UNIX
 socket, and libvirt migrates over ``unix://`` to the same path, which the
 destination QEMU listens on inside its own host.
+
+Parallel migration (QEMU multifd) opens one main connection and N channel
+connections to that same path.  Each one rides its own mover pair: the agent
+binds the socket once and every source mover accepts on it, so the kernel
+hands each connection to a different mover; each destination mover connects to
+the destination QEMU on its own.  The order in which they arrive there does not
+matter: without postcopy-ram, QEMU (>= 8.1) peeks at each new connection's
+first bytes and tells the main stream (QEMU_VM_FILE_MAGIC) from a multifd
+channel (its own magic and channel id) -- hence parallel only for precopy.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from agents.mover import BINARY
 from flexmig import exceptions
 
 PORT_RANGE = range(7470, 7500)
+READY_TIMEOUT_S = 15.0
+MAX_STREAMS = 9  # libvirt's parallel connections (<= 8 here) plus the main stream
+SUMMED_STATS = ("bytes", "batches", "reverse_bytes", "cpu_user_s", "cpu_sys_s", "cpu_transfer_s")
 _next_port = [0]
 
 
@@ -49,16 +64,27 @@ def rdma_provider_present() -> bool:
 
 class MoverProcess:
     def __init__(
-        self, state_dir: str, migration_id: str, role: str, args: list[str], token: str
+        self,
+        state_dir: str,
+        migration_id: str,
+        role: str,
+        args: list[str],
+        token: str,
+        stream: int = 0,
+        pass_fds: tuple[int, ...] = (),
     ) -> None:
         if not BINARY.exists():
             raise exceptions.MissingPrerequisite(
                 what=str(BINARY), hint="run 'make -C agents/mover' (tools/setup.sh does)"
             )
-        base = Path(state_dir) / f"mover-{migration_id}-{role}"
+        base = Path(state_dir) / f"mover-{migration_id}-{role}{stream or ''}"
         self.token_file = base.with_suffix(".token")
         self.stats_file = base.with_suffix(".stats")
         self.log_file = base.with_suffix(".log")
+        self.ready_file = base.with_suffix(".ready")
+        self.ready_file.unlink(missing_ok=True)
+        if pass_fds:  # a sender accepting on the agent's socket
+            args = [*args, "--listen-fd", str(pass_fds[0]), "--ready-file", str(self.ready_file)]
         fd = os.open(self.token_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w") as f:
             f.write(token)
@@ -76,15 +102,17 @@ class MoverProcess:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
+                pass_fds=pass_fds,
             )
 
-    def wait(self, timeout: float) -> dict[str, object]:
+    def wait(self, timeout: float) -> dict[str, Any]:
         try:
             rc = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
             rc = -1
         self.token_file.unlink(missing_ok=True)
+        self.ready_file.unlink(missing_ok=True)
         if rc != 0:
             raise exceptions.FlexMigError(
                 f"mover exited with {rc}: {self.log_file.read_text(errors='replace')[-300:]}"
@@ -98,8 +126,87 @@ class MoverProcess:
         self.token_file.unlink(missing_ok=True)
 
 
+class MoverSet:
+    """One side's movers of a migration: one per connection QEMU opens."""
+
+    def __init__(self, members: list[MoverProcess]) -> None:
+        self.members = members
+
+    def wait(self, timeout: float) -> dict[str, Any]:
+        """Wait for every stream; their statistics summed (time: the slowest's)."""
+        deadline = time.monotonic() + timeout
+        try:
+            per_stream = [m.wait(max(1.0, deadline - time.monotonic())) for m in self.members]
+        finally:
+            self.kill()
+        return combine_stats(per_stream)
+
+    def kill(self) -> None:
+        for member in self.members:
+            member.kill()
+
+
+def combine_stats(per_stream: list[dict[str, Any]]) -> dict[str, Any]:
+    """Parallel streams as one transfer: counters summed, elapsed time the longest.
+
+    >>> combine_stats([{"bytes": 2**20, "seconds": 0.5, "cpu_user_s": 0.1},
+    ...                {"bytes": 2**20, "seconds": 1.0, "cpu_user_s": 0.2}])["mib_per_s"]
+    2.0
+    """
+    total = dict(per_stream[0])
+    for key in SUMMED_STATS:
+        if key in total:
+            total[key] = round(sum(s[key] for s in per_stream), 6)
+    seconds = max(s.get("seconds", 0.0) for s in per_stream)
+    total["seconds"] = seconds
+    total["mib_per_s"] = round(total.get("bytes", 0) / 2**20 / seconds, 1) if seconds else 0.0
+    total["streams"] = len(per_stream)
+    total["stream_bytes"] = [s.get("bytes", 0) for s in per_stream]
+    return total
+
+
+def wait_ready(senders: list[MoverProcess], timeout: float = READY_TIMEOUT_S) -> None:
+    """Until every sender reached its receiver and registered its buffers.
+
+    Starting libvirt earlier would let the movers' setup (fabric, registration,
+    bootstrap: ~0.15 s of CPU each) compete with the migration on the cores.
+    """
+    deadline = time.monotonic() + timeout
+    for mover in senders:
+        while not mover.ready_file.exists():
+            if mover.proc.poll() is not None or time.monotonic() > deadline:
+                log = mover.log_file.read_text(errors="replace")[-300:]
+                raise exceptions.FlexMigError(f"source mover did not get ready: {log}")
+            time.sleep(0.01)
+
+
+def check_streams(streams: int) -> None:
+    if not 1 <= streams <= MAX_STREAMS:
+        raise exceptions.InvalidInput(
+            what="mover streams", reason=f"{streams} is not in 1..{MAX_STREAMS}"
+        )
+
+
+def start_receivers(
+    state_dir: str, local: str, migration_id: str, token: str, streams: int = 1
+) -> tuple[MoverSet, list[int]]:
+    """``streams`` receiving movers, each on its own bootstrap port."""
+    check_streams(streams)
+    members: list[MoverProcess] = []
+    ports: list[int] = []
+    try:
+        for stream in range(streams):
+            mover, port = start_receiver(state_dir, local, migration_id, token, stream)
+            members.append(mover)
+            ports.append(port)
+    except exceptions.FlexMigError:
+        MoverSet(members).kill()
+        raise
+    return MoverSet(members), ports
+
+
 def start_receiver(
-    state_dir: str, local: str, migration_id: str, token: str
+    state_dir: str, local: str, migration_id: str, token: str, stream: int = 0
 ) -> tuple[MoverProcess, int]:
     _next_port[0] = (_next_port[0] + 1) % len(PORT_RANGE)
     port = PORT_RANGE[_next_port[0]]
@@ -116,27 +223,43 @@ def start_receiver(
             socket_path(state_dir, migration_id),
         ],
         token,
+        stream,
     )
     return mover, port
 
 
-def start_sender(
-    state_dir: str, local: str, peer: str, port: int, migration_id: str, token: str
-) -> MoverProcess:
+def start_senders(
+    state_dir: str, local: str, peer: str, ports: list[int], migration_id: str, token: str
+) -> MoverSet:
+    """One sending mover per receiver, all accepting on the migration's socket.
+
+    The socket is bound and every mover connected to its receiver before this
+    returns, so QEMU's connections, as soon as libvirt starts it, find a mover
+    ready to accept them (they wait in the backlog for the race to one).
+    """
+    check_streams(len(ports))
     path = socket_path(state_dir, migration_id)
-    mover = MoverProcess(
-        state_dir,
-        migration_id,
-        "send",
-        ["--local", local, "--peer", peer, "--port", str(port), "--listen-unix", path],
-        token,
-    )
-    deadline = time.monotonic() + 10
-    while not os.path.exists(path):  # listening before libvirt makes QEMU connect
-        if mover.proc.poll() is not None or time.monotonic() > deadline:
-            mover.kill()
-            raise exceptions.FlexMigError(
-                f"source mover did not start: {mover.log_file.read_text(errors='replace')}"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    members: list[MoverProcess] = []
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        listener.bind(path)
+        listener.listen(len(ports))
+        fd = listener.fileno()
+        for stream, port in enumerate(ports):
+            args = ["--local", local, "--peer", peer, "--port", str(port)]
+            mover = MoverProcess(
+                state_dir, migration_id, "send", args, token, stream, pass_fds=(fd,)
             )
-        time.sleep(0.02)
-    return mover
+            members.append(mover)
+        wait_ready(members)
+    except OSError as exc:
+        MoverSet(members).kill()
+        raise exceptions.FlexMigError(f"source movers: socket {path}: {exc}") from exc
+    except exceptions.FlexMigError:
+        MoverSet(members).kill()
+        raise
+    finally:
+        listener.close()  # the movers hold it now
+    return MoverSet(members)

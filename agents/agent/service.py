@@ -30,8 +30,10 @@ MIGRATE_OPTIONAL = {
     "bandwidth_mib": int,
     "transport": str,
     "store_writeback": bool,
+    "parallel": int,
 }
 MAX_PROBE_MIB = 256
+MAX_PARALLEL = 8  # libvirt's parallel connections (QEMU multifd channels)
 # An incoming migration's writeback ends when the source says so; this bounds
 # it should the source never say (its agent died).
 INCOMING_WRITEBACK_MAX_S = 3600.0
@@ -60,7 +62,7 @@ class Agent:
         r.add("POST", "/v1/plan", self.plan)
         r.add("POST", "/v1/mover/receive", self.mover_receive)
         r.add("POST", "/v1/mover/finish", self.mover_finish)
-        self.receivers: dict[str, movers.MoverProcess] = {}
+        self.receivers: dict[str, movers.MoverSet] = {}
         r.add("POST", "/v1/migrations", self.migrate)
         r.add("GET", r"/v1/migrations/(?P<id>[0-9a-f]+)", self.migration_status)
         r.add(
@@ -141,15 +143,19 @@ class Agent:
         return 200, {"vm": vm, "writeback": "off", "rounds": flusher.rounds if flusher else 0}
 
     def mover_receive(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
-        api.check_fields(body, {"migration_id": str, "token": str})
-        mid, token = body["migration_id"], body["token"]
+        api.check_fields(body, {"migration_id": str, "token": str}, {"streams": int})
+        mid, token, streams = body["migration_id"], body["token"], body.get("streams", 1)
         if not re.fullmatch(r"[0-9a-f]{6,32}", mid) or not 32 <= len(token) <= 63:
             raise api.BadRequest(reason="migration_id must be hex, token 32..63 characters")
-        mover, port = movers.start_receiver(
-            self.conf.agent.state_dir, self.conf.agent.listen_address, mid, token
+        if not 1 <= streams <= movers.MAX_STREAMS:
+            raise api.BadRequest(reason=f"streams must be 1..{movers.MAX_STREAMS}")
+        if mid in self.receivers:
+            raise api.BadRequest(reason=f"movers for {mid} are already receiving")
+        receivers, ports = movers.start_receivers(
+            self.conf.agent.state_dir, self.conf.agent.listen_address, mid, token, streams
         )
-        self.receivers[mid] = mover
-        return 200, {"port": port}
+        self.receivers[mid] = receivers
+        return 200, {"port": ports[0], "ports": ports}
 
     def mover_finish(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         api.check_fields(body, {"migration_id": str}, {"abort": bool})
@@ -219,6 +225,15 @@ class Agent:
         transport = body.get("transport", "auto")
         if transport not in TRANSPORTS:
             raise api.BadRequest(reason=f"unknown transport {transport!r}")
+        parallel = body.get("parallel", 1)
+        if not 1 <= parallel <= MAX_PARALLEL:
+            raise api.BadRequest(reason=f"parallel {parallel} not in 1..{MAX_PARALLEL}")
+        if parallel > 1 and mode != "precopy":
+            # QEMU 10.0 tells its main connection from a multifd channel by
+            # peeking at the first bytes only without postcopy-ram; with it, the
+            # first connection to arrive is taken as the main one, an order
+            # that independent mover pairs cannot promise.
+            raise api.BadRequest(reason="parallel connections need mode 'precopy'")
         record = self.migrations.start(
             body["vm"],
             self._destination(body["dest"]),
@@ -227,6 +242,7 @@ class Agent:
             bandwidth,
             transport,
             body.get("store_writeback", True),
+            parallel,
         )
         return 202, {"id": record.id}
 

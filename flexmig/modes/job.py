@@ -38,6 +38,8 @@ class JobConfig:
     poll_s: float = 0.2
     # The full downtime budget (the decision may use a tighter limit); 0: the decision's.
     downtime_budget_ms: int = 0
+    # libvirt parallel connections (QEMU multifd channels); 1: the single stream.
+    parallel: int = 1
 
 
 @dataclasses.dataclass
@@ -86,9 +88,13 @@ class MigrationJob:
             # plain bandwidth leaves postcopy's page pushing uncapped).
             params[libvirt.VIR_MIGRATE_PARAM_BANDWIDTH] = self.config.bandwidth_mib
             params[libvirt.VIR_MIGRATE_PARAM_BANDWIDTH_POSTCOPY] = self.config.bandwidth_mib
+        if self.config.parallel > 1:
+            params[libvirt.VIR_MIGRATE_PARAM_PARALLEL_CONNECTIONS] = self.config.parallel
         return params
 
     def _start(self, flags: int) -> tuple[threading.Thread, list[BaseException]]:
+        if self.config.parallel > 1:
+            flags |= libvirt.VIR_MIGRATE_PARALLEL
         return hypervisor.start_migration(
             self.dom, self.host, self.config.dest_libvirt_uri, self._params(), flags
         )

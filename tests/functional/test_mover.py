@@ -98,6 +98,28 @@ def test_precopy_migration_through_the_mover(lab):
         vm.destroy(lab, "mv1")
 
 
+def test_parallel_precopy_carries_each_connection_on_its_own_mover_stream(lab):
+    vm.create(
+        lab,
+        "A",
+        ram="384M",
+        workload="dirtier:wss=128M,rate=3000",
+        memory_backing="anonymous",
+        name="mv4",
+    )
+    try:
+        result = _through_mover(lab, "mv4", mode="precopy", parallel=2)
+        assert result["parallel"] == 2
+        send, recv = result["movers"]["send"], result["movers"]["recv"]
+        # QEMU's main connection and its 2 multifd channels: three mover pairs.
+        assert send["streams"] == recv["streams"] == 3
+        assert sorted(send["stream_bytes"]) == sorted(recv["stream_bytes"])
+        # The pages went over the channels, not the main stream alone.
+        assert sorted(recv["stream_bytes"])[1] > 32 * 2**20
+    finally:
+        vm.destroy(lab, "mv4")
+
+
 def test_hybrid_postcopy_through_the_mover_uses_the_return_path(lab):
     vm.create(
         lab,

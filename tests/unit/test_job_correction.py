@@ -71,3 +71,31 @@ def test_a_stream_as_fast_as_planned_is_left_alone():
     job, dom, _ = _job()
     job._on_stats(_stats(iteration=9, processed_mib=600, remaining_mib=1, bps_mib=300))
     assert dom.calls == []
+
+
+def test_parallel_connections_become_libvirts_parallel_flag_and_parameter(monkeypatch):
+    from flexmig import hypervisor
+    from flexmig.modes import job as job_module
+
+    started: list[tuple[dict, int]] = []
+    monkeypatch.setattr(
+        job_module.hypervisor,
+        "start_migration",
+        lambda dom, host, uri, params, flags: started.append((params, flags)) or (None, []),
+    )
+    for parallel in (1, 4):
+        job = MigrationJob(
+            FakeDomain(),  # type: ignore[arg-type]
+            "A",
+            decide(_inputs()),
+            PrecopyMode(),
+            JobConfig("qemu+tcp://b/system", "unix:///run/x.sock", parallel=parallel),
+        )
+        job._start(PrecopyMode().flags(job.decision))
+    (single, single_flags), (multi, multi_flags) = started
+    lv = hypervisor.libvirt
+    assert lv.VIR_MIGRATE_PARAM_PARALLEL_CONNECTIONS not in single
+    assert not single_flags & lv.VIR_MIGRATE_PARALLEL
+    assert multi[lv.VIR_MIGRATE_PARAM_PARALLEL_CONNECTIONS] == 4
+    assert multi_flags & lv.VIR_MIGRATE_PARALLEL
+    assert multi[lv.VIR_MIGRATE_PARAM_URI] == "unix:///run/x.sock"

@@ -5,12 +5,15 @@ Loopback needs no root and no lab; the lab tests run the movers across hosts.
 
 import os
 import shutil
+import socket
 import subprocess
 import threading
 
 import pytest
 
+from agents.agent import movers
 from agents.mover import BINARY, MOVER_DIR
+from flexmig import exceptions
 
 TOKEN = "unit-test-credential-0123"
 
@@ -132,3 +135,96 @@ def test_help_lists_every_tunable(mover):
     for opt in ("--provider", "--batch-kib", "--depth", "--slots", "--timeout"):
         assert opt in out.stdout
     assert "FM_MOVER_DEPTH" in out.stdout
+
+
+def _serve_destination(path, conns, received):
+    """Stand in for the destination QEMU: accept ``conns`` connections, read each to EOF."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind(str(path))
+        listener.listen(conns)
+        listener.settimeout(30)
+        for _ in range(conns):
+            conn, _addr = listener.accept()
+            with conn:
+                conn.settimeout(30)
+                chunks = []
+                while chunk := conn.recv(1 << 20):
+                    chunks.append(chunk)
+                received.append(b"".join(chunks))
+
+
+def test_parallel_connections_each_ride_their_own_mover_pair(mover, tmp_path):
+    streams, mid = 3, "abc123"
+    payloads = [bytes([k]) * 16 + os.urandom(3 * 2**20 + k) for k in range(streams)]
+    received = []
+    path = movers.socket_path(str(tmp_path), mid)
+    # Both "hosts" share this one: the destination keeps its state in a directory of its own.
+    dest_dir = tmp_path / "dest"
+    dest_dir.mkdir()
+    receivers, ports = movers.start_receivers(str(dest_dir), "127.0.0.1", mid, TOKEN, streams)
+    assert len(set(ports)) == streams
+    server = threading.Thread(
+        target=_serve_destination,
+        args=(movers.socket_path(str(dest_dir), mid), streams, received),
+    )
+    server.start()
+    senders = movers.start_senders(str(tmp_path), "127.0.0.1", "127.0.0.1", ports, mid, TOKEN)
+    try:
+        for payload in payloads:  # like QEMU: main stream first, then each channel
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as conn:
+                conn.connect(path)
+                conn.sendall(payload)
+        sent = senders.wait(60)
+        got = receivers.wait(60)
+    finally:
+        senders.kill()
+        receivers.kill()
+        server.join(60)
+    assert sorted(received) == sorted(payloads)  # each connection intact, none merged
+    assert sent["streams"] == got["streams"] == streams
+    assert got["bytes"] == sum(len(p) for p in payloads)
+    assert sorted(got["stream_bytes"]) == sorted(len(p) for p in payloads)
+
+
+def test_combined_statistics_sum_counters_and_take_the_slowest_stream():
+    total = movers.combine_stats(
+        [
+            {"bytes": 3 * 2**20, "seconds": 1.0, "cpu_user_s": 0.25, "cpu_sys_s": 0.5},
+            {"bytes": 2**20, "seconds": 2.0, "cpu_user_s": 0.25, "cpu_sys_s": 0.0},
+        ]
+    )
+    assert total["bytes"] == 4 * 2**20 and total["seconds"] == 2.0
+    assert total["mib_per_s"] == 2.0 and total["cpu_user_s"] == 0.5
+    assert total["streams"] == 2 and total["stream_bytes"] == [3 * 2**20, 2**20]
+
+
+def test_too_many_streams_are_refused_before_anything_starts(tmp_path):
+    with pytest.raises(exceptions.InvalidInput):
+        movers.start_receivers(str(tmp_path), "127.0.0.1", "abc123", TOKEN, 10)
+    assert not list(tmp_path.iterdir())
+
+
+class _NoMigrations:
+    def start(self, *args, **kwargs):
+        raise AssertionError("a refused request must start nothing")
+
+
+@pytest.mark.parametrize(
+    ("extra", "reason"),
+    [
+        ({"parallel": 2, "mode": "postcopy"}, "need mode 'precopy'"),
+        ({"parallel": 2}, "need mode 'precopy'"),  # auto may pick postcopy or split
+        ({"parallel": 9, "mode": "precopy"}, "not in 1..8"),
+        ({"parallel": 0, "mode": "precopy"}, "not in 1..8"),
+        ({"parallel": "4", "mode": "precopy"}, "parallel"),
+    ],
+)
+def test_the_agent_refuses_bad_parallel_requests(extra, reason):
+    from types import SimpleNamespace
+
+    from agents.agent import api, service
+
+    agent = SimpleNamespace(migrations=_NoMigrations(), _destination=lambda dest: dest)
+    body = {"vm": "vm0", "dest": {}, **extra}
+    with pytest.raises(api.BadRequest, match=reason):
+        service.Agent.migrate(agent, body, None)

@@ -62,6 +62,19 @@ static int open_file(const char *path, int out)
 	return fd < 0 ? -errno : fd;
 }
 
+/* Everything but QEMU's connection is in place: fabric, ring, credential. */
+static int mark_ready(const char *path)
+{
+	int fd = open(path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+
+	if (fd < 0) {
+		fprintf(stderr, "mover: creating %s: %s\n", path, strerror(errno));
+		return -errno;
+	}
+	close(fd);
+	return 0;
+}
+
 static int sender_bootstrap(struct fm_session *s, const char *token)
 {
 	struct fm_config *c = s->cfg;
@@ -99,11 +112,19 @@ static int sender_bootstrap(struct fm_session *s, const char *token)
 				      FI_WRITE);
 	if (!ret)
 		ret = fm_post_all_recvs(s);
+	if (!ret && c->ready_file)
+		ret = mark_ready(c->ready_file);
 	if (ret)
 		return ret;
-	s->local_fd = c->input ? open_file(c->input, 0)
-			       : fm_unix_listen_accept(c->listen_unix,
-						       c->timeout_s * 1000 * ACCEPT_TIMEOUT_FACTOR);
+	if (c->input)
+		s->local_fd = open_file(c->input, 0);
+	else if (c->listen_unix)
+		s->local_fd = fm_unix_listen_accept(c->listen_unix,
+						    c->timeout_s * 1000 * ACCEPT_TIMEOUT_FACTOR);
+	else
+		s->local_fd = fm_unix_accept_fd(c->listen_fd,
+						c->timeout_s * 1000 * ACCEPT_TIMEOUT_FACTOR);
+	s->input_is_socket = 1; /* until recv() says ENOTSOCK */
 	return s->local_fd < 0 ? s->local_fd : 0;
 }
 

@@ -50,15 +50,17 @@ static int get_info(struct fm_fabric *f, const char *provider, const char *node)
 
 int fm_fabric_open(struct fm_fabric *f, const char *provider, const char *node)
 {
-	/* A waitable CQ: an idle mover blocks in fi_cq_sread, which still drives
-	 * providers with manual progress, instead of spinning or sleeping blind. */
+	/* A CQ with a wait fd: an idle mover sleeps in poll() on it together with
+	 * its QEMU socket, so it wakes for whichever is ready first instead of
+	 * spinning (stealing the guest's core) or sleeping blind on one of them. */
 	struct fi_cq_attr cq_attr = {
-		.format = FI_CQ_FORMAT_DATA, .size = CQ_SIZE, .wait_obj = FI_WAIT_UNSPEC};
+		.format = FI_CQ_FORMAT_DATA, .size = CQ_SIZE, .wait_obj = FI_WAIT_FD};
 	struct fi_av_attr av_attr = {.type = FI_AV_TABLE};
 	const char *step;
 	int ret;
 
 	memset(f, 0, sizeof(*f));
+	f->cq_fd = -1;
 	ret = get_info(f, provider, node);
 	if (ret)
 		return ret;
@@ -72,8 +74,15 @@ int fm_fabric_open(struct fm_fabric *f, const char *provider, const char *node)
 		goto err;
 	step = "fi_cq_open";
 	ret = fi_cq_open(f->domain, &cq_attr, &f->cq, NULL);
+	if (ret == -FI_ENOSYS) {
+		/* No fd to poll: fall back to fi_cq_sread's own wait. */
+		cq_attr.wait_obj = FI_WAIT_UNSPEC;
+		ret = fi_cq_open(f->domain, &cq_attr, &f->cq, NULL);
+	}
 	if (ret)
 		goto err;
+	if (cq_attr.wait_obj != FI_WAIT_FD || fi_control(&f->cq->fid, FI_GETWAIT, &f->cq_fd))
+		f->cq_fd = -1;
 	step = "fi_av_open";
 	ret = fi_av_open(f->domain, &av_attr, &f->av, NULL);
 	if (ret)

@@ -25,6 +25,7 @@ struct fm_fabric {
 	struct fid_ep *ep;
 	fi_addr_t peer;
 	int ordered; /* provider keeps a send behind an earlier write (FI_ORDER_SAW) */
+	int cq_fd;   /* the CQ's wait fd (FI_WAIT_FD) to poll with other fds, or -1 */
 	uint64_t next_key;
 	uint8_t addr[128];
 	size_t addr_len;

@@ -19,7 +19,7 @@
 #include "session.h"
 
 #define MAX_BATCH_KIB (64 * 1024)
-#define MAX_SLOTS 256
+#define TCP_BATCH_KIB "256"
 
 /* Every tunable once: option, environment variable, default, bounds, help. */
 struct tunable {
@@ -32,10 +32,10 @@ static const struct tunable tunables[] = {
 	{"provider", "FM_MOVER_PROVIDER", "tcp;ofi_rxm", 0, 0,
 	 "libfabric provider: verbs;ofi_rxm on RDMA NICs (rdma-core), tcp;ofi_rxm elsewhere"},
 	{"batch-kib", "FM_MOVER_BATCH_KIB", "4096", 4, MAX_BATCH_KIB,
-	 "batch size in KiB (default 4096: seed 000's 1,024 pages)"},
+	 "batch size in KiB (default 4096: seed 000's 1,024 pages; " TCP_BATCH_KIB " on tcp)"},
 	{"depth", "FM_MOVER_DEPTH", "4", 1, FM_MAX_DEPTH - 1,
 	 "batches in flight; 1 disables the overlap of filling, transfer and draining"},
-	{"slots", "FM_MOVER_SLOTS", "8", 1, MAX_SLOTS, "receiver: slots in its registered ring"},
+	{"slots", "FM_MOVER_SLOTS", "8", 1, FM_MAX_SLOTS, "receiver: slots in its registered ring"},
 	{"port", "FM_MOVER_PORT", "7471", 1, 65535, "bootstrap TCP port on the receiver"},
 	{"timeout", "FM_MOVER_TIMEOUT", "10", 1, 3600,
 	 "seconds allowed for bootstrap, and of peer silence while it owes a completion"},
@@ -51,9 +51,13 @@ static void usage(FILE *out)
 		     "  --token-file PATH     the migration's credential (or FM_MOVER_TOKEN)\n"
 		     "  --input PATH|-        send: read the stream from a file or stdin\n"
 		     "  --listen-unix PATH    send: accept the source QEMU's connection here\n"
+		     "  --listen-fd FD        send: accept one connection on this inherited listening\n"
+		     "                        socket (parallel streams share one socket path)\n"
 		     "  --output PATH|-       recv: write the stream to a file or stdout\n"
 		     "  --connect-unix PATH   recv: deliver to the destination QEMU's socket\n"
 		     "  --stats-file PATH     write the closing statistics (JSON) here\n"
+		     "  --ready-file PATH     send: create it once connected to the receiver, before\n"
+		     "                        accepting QEMU (the agent starts libvirt after that)\n"
 		     "  --inject-corruption N test hook: damage batch N after its CRC\n");
 	for (i = 0; i < sizeof(tunables) / sizeof(tunables[0]); i++)
 		fprintf(out, "  --%-19s %s [%s, env %s]\n", tunables[i].opt, tunables[i].help,
@@ -105,6 +109,23 @@ static int read_token(const char *path, char *out)
 	return n >= 16 ? 0 : -EINVAL;
 }
 
+/*
+ * Let libfabric load only the providers asked for ("tcp;ofi_rxm" -> "tcp,ofi_rxm"):
+ * probing every installed one (psm's hardware scan sleeps) costs each mover tens
+ * of ms before it can take QEMU.  FI_PROVIDER set by the caller wins.
+ */
+static void load_only(const char *provider)
+{
+	char list[128];
+	char *p;
+
+	snprintf(list, sizeof(list), "%s", provider);
+	for (p = list; *p; p++)
+		if (*p == ';')
+			*p = ',';
+	setenv("FI_PROVIDER", list, 0);
+}
+
 int fm_parse_args(int argc, char **argv, struct fm_config *c, char *token);
 int fm_bootstrap(struct fm_session *s, const char *token);
 
@@ -120,6 +141,7 @@ int main(int argc, char **argv)
 	ret = fm_parse_args(argc, argv, &cfg, token);
 	if (ret)
 		return ret > 0 ? 0 : 2;
+	load_only(cfg.provider);
 	s.cfg = &cfg;
 	s.oob_fd = s.local_fd = -1;
 	ret = fm_bootstrap(&s, token);
@@ -146,7 +168,8 @@ static const struct option long_opts[] = {
 	{"connect-unix", 1, 0, 'C'}, {"stats-file", 1, 0, 's'},	 {"inject-corruption", 1, 0, 'X'},
 	{"provider", 1, 0, 'P'},     {"batch-kib", 1, 0, 'b'},	 {"depth", 1, 0, 'd'},
 	{"slots", 1, 0, 'S'},	     {"port", 1, 0, 'O'},	 {"timeout", 1, 0, 'T'},
-	{"help", 0, 0, 'h'},	     {0, 0, 0, 0},
+	{"listen-fd", 1, 0, 'F'},    {"ready-file", 1, 0, 'R'},	 {"help", 0, 0, 'h'},
+	{0, 0, 0, 0},
 };
 
 static int finish_config(struct fm_config *c, const char **t, char *token, const char *tok_path)
@@ -155,6 +178,13 @@ static int finish_config(struct fm_config *c, const char **t, char *token, const
 	const char *names[] = {"batch-kib", "depth", "slots", "port", "timeout"};
 	int i;
 
+	c->provider = t[5] ? t[5] : getenv("FM_MOVER_PROVIDER") ? getenv("FM_MOVER_PROVIDER")
+								 : "tcp;ofi_rxm";
+	/* Where the CPU copies every byte (tcp), a batch that stays in L2 between
+	 * the read, the CRC and the send beats seed 000's 4 MiB, which fits a NIC
+	 * that DMAs: docs/benchmarks/mover.md. */
+	if (!t[0] && !getenv("FM_MOVER_BATCH_KIB") && strstr(c->provider, "tcp"))
+		t[0] = TCP_BATCH_KIB;
 	for (i = 0; i < 5; i++)
 		if (tunable_value(names[i], t[i], &v[i]))
 			return -EINVAL;
@@ -163,9 +193,13 @@ static int finish_config(struct fm_config *c, const char **t, char *token, const
 	c->slots = (uint32_t)v[2];
 	c->port = (int)v[3];
 	c->timeout_s = (int)v[4];
-	c->provider = t[5] ? t[5] : getenv("FM_MOVER_PROVIDER") ? getenv("FM_MOVER_PROVIDER")
-								 : "tcp;ofi_rxm";
-	if (!c->local || (!strcmp(c->role, "send") && (!c->peer || !!c->input == !!c->listen_unix)) ||
+	if (c->listen_fd != -1 && (c->listen_fd < 0 || fcntl(c->listen_fd, F_GETFD) < 0)) {
+		fprintf(stderr, "mover: --listen-fd needs an open descriptor >= 3\n");
+		return -EINVAL;
+	}
+	if (!c->local ||
+	    (!strcmp(c->role, "send") &&
+	     (!c->peer || !!c->input + !!c->listen_unix + (c->listen_fd >= 0) != 1)) ||
 	    (!strcmp(c->role, "recv") && !!c->output == !!c->connect_unix)) {
 		fprintf(stderr, "mover: send needs --local, --peer and one of --input/--listen-unix; "
 				"recv needs --local and one of --output/--connect-unix\n");
@@ -180,12 +214,21 @@ static int finish_config(struct fm_config *c, const char **t, char *token, const
 	return 0;
 }
 
+static int parse_fd(const char *v)
+{
+	char *end;
+	long fd = strtol(v, &end, 10);
+
+	return *end || fd < 3 || fd > 65535 ? -2 : (int)fd;
+}
+
 int fm_parse_args(int argc, char **argv, struct fm_config *c, char *token)
 {
 	const char *tun[6] = {0}, *tok_path = NULL;
 	int opt;
 
 	c->inject_corruption = -1;
+	c->listen_fd = -1;
 	if (argc < 2 || (strcmp(argv[1], "send") && strcmp(argv[1], "recv"))) {
 		usage(argc > 1 && !strcmp(argv[1], "--help") ? stdout : stderr);
 		return argc > 1 && !strcmp(argv[1], "--help") ? 1 : -EINVAL;
@@ -199,9 +242,11 @@ int fm_parse_args(int argc, char **argv, struct fm_config *c, char *token)
 		case 't': tok_path = optarg; break;
 		case 'i': c->input = optarg; break;
 		case 'L': c->listen_unix = optarg; break;
+		case 'F': c->listen_fd = parse_fd(optarg); break;
 		case 'o': c->output = optarg; break;
 		case 'C': c->connect_unix = optarg; break;
 		case 's': c->stats_file = optarg; break;
+		case 'R': c->ready_file = optarg; break;
 		case 'X': c->inject_corruption = atoll(optarg); break;
 		case 'b': tun[0] = optarg; break;
 		case 'd': tun[1] = optarg; break;

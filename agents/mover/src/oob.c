@@ -3,6 +3,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
@@ -160,6 +161,29 @@ int fm_unix_listen_accept(const char *path, int timeout_ms)
 out:
 	close(lfd);
 	unlink(path);
+	return fd;
+}
+
+int fm_unix_accept_fd(int lfd, int timeout_ms)
+{
+	/* Several movers block on the same listening socket; the kernel hands
+	 * each connection to one of them.  Another may win the race after poll. */
+	int fd, ret, flags = fcntl(lfd, F_GETFL);
+
+	if (flags < 0 || fcntl(lfd, F_SETFL, flags | O_NONBLOCK))
+		return -errno;
+	for (;;) {
+		ret = wait_fd(lfd, POLLIN, timeout_ms);
+		if (ret)
+			return ret;
+		fd = accept4(lfd, NULL, NULL, SOCK_CLOEXEC);
+		if (fd >= 0)
+			break;
+		if (errno != EAGAIN && errno != EINTR)
+			return -errno;
+	}
+	/* The accepted socket inherits nothing from O_NONBLOCK on Linux. */
+	close(lfd);
 	return fd;
 }
 

@@ -16,6 +16,8 @@ int fm_write_all(int fd, const void *buf, size_t len);
 int fm_oob_recv_all(int fd, void *buf, size_t len, int timeout_ms);
 /* The unix socket side: accept QEMU (sender) or connect to QEMU (receiver). */
 int fm_unix_listen_accept(const char *path, int timeout_ms);
+/* Accept one connection on an inherited listening socket @lfd (then closed). */
+int fm_unix_accept_fd(int lfd, int timeout_ms);
 int fm_unix_connect_retry(const char *path, int timeout_ms);
 
 #endif

@@ -11,6 +11,7 @@
 #include <poll.h>
 #include <stdio.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include "crc32c.h"
@@ -79,7 +80,6 @@ static int post_write(struct fm_session *s, int i)
 	ssize_t ret;
 
 	b->slot = fm_ring_claim(&s->ring, &b->seq);
-	b->crc = fm_crc32c(0, iov.iov_base, b->len);
 	if ((int64_t)b->seq == s->cfg->inject_corruption)
 		buf_data(s, i)[b->len / 2] ^= 0x40; /* test hook: damage after the CRC */
 	rma.addr = s->ring_addr + (uint64_t)b->slot * s->slot_size;
@@ -111,45 +111,64 @@ static int post_write(struct fm_session *s, int i)
 	return (int)ret;
 }
 
-static int input_ready(int fd, int timeout_ms)
+/* Read without blocking: a socket (QEMU) with MSG_DONTWAIT, anything else once poll says so. */
+static ssize_t read_input(struct fm_session *s, char *p, size_t len)
 {
-	struct pollfd p = {.fd = fd, .events = POLLIN};
+	struct pollfd pfd = {.fd = s->local_fd, .events = POLLIN};
+	ssize_t n;
 
-	return poll(&p, 1, timeout_ms) == 1;
+	if (s->input_is_socket) {
+		n = recv(s->local_fd, p, len, MSG_DONTWAIT);
+		if (n >= 0 || errno != ENOTSOCK)
+			return n;
+		s->input_is_socket = 0;
+	}
+	if (poll(&pfd, 1, 0) != 1) {
+		errno = EAGAIN;
+		return -1;
+	}
+	return read(s->local_fd, p, len);
 }
 
-/* Read what is there into the filling buffer; 1 = ship it now, 0 = not yet, <0 error. */
-static int fill_from_input(struct fm_session *s, int *eof, int wait_ms)
+/* A buffer to fill: the one being filled while it has room, else a free one. */
+static struct fm_batch_buf *fill_buf(struct fm_session *s)
 {
-	struct fm_batch_buf *b;
-	ssize_t n;
 	int i;
 
-	if (fill_index < 0) {
-		for (i = 0; i <= (int)s->ring.depth; i++)
-			if (s->bufs[i].state == FM_BUF_FREE)
-				break;
-		if (i > (int)s->ring.depth)
-			return 0;
-		fill_index = i;
-		s->bufs[i].state = FM_BUF_FILLING;
-		s->bufs[i].len = 0;
-	}
-	b = &s->bufs[fill_index];
-	if (!input_ready(s->local_fd, b->len ? 0 : wait_ms))
-		return b->len > 0; /* idle input: ship a partial batch, latency matters */
-	n = read(s->local_fd, buf_data(s, fill_index) + b->len, s->slot_size - b->len);
+	if (fill_index >= 0)
+		return s->bufs[fill_index].len < s->slot_size ? &s->bufs[fill_index] : NULL;
+	for (i = 0; i <= (int)s->ring.depth; i++)
+		if (s->bufs[i].state == FM_BUF_FREE) {
+			fill_index = i;
+			s->bufs[i].state = FM_BUF_FILLING;
+			s->bufs[i].len = 0;
+			return &s->bufs[i];
+		}
+	return NULL;
+}
+
+/* Read what the input has now; bytes read (0: none ready, or no room), or -errno. */
+static ssize_t fill_from_input(struct fm_session *s, int *eof)
+{
+	struct fm_batch_buf *b = fill_buf(s);
+	ssize_t n;
+
+	if (!b)
+		return 0;
+	n = read_input(s, buf_data(s, fill_index) + b->len, s->slot_size - b->len);
 	if (n < 0)
 		return errno == EINTR || errno == EAGAIN ? 0 : -errno;
 	if (n == 0) {
 		*eof = 1;
-		return b->len > 0;
+		return 0;
 	}
 	if (s->stats.bytes == 0 && b->len == 0)
-		s->stats.seconds = fm_now(); /* start of the clock: first byte */
+		fm_start_clock(s);
+	/* CRC what was just read while it is still in cache, not 4 MiB later. */
+	b->crc = fm_crc32c(b->len ? b->crc : 0, buf_data(s, fill_index) + b->len, (size_t)n);
 	b->len += (size_t)n;
 	s->stats.bytes += (uint64_t)n;
-	return b->len == s->slot_size;
+	return n;
 }
 
 static int writes_pending(struct fm_session *s)
@@ -162,36 +181,63 @@ static int writes_pending(struct fm_session *s)
 	return 0;
 }
 
+/*
+ * Ship the filling batch when it is full, at the end of the input, or when the
+ * input has nothing more right now and fewer than two batches are in flight
+ * (claimed and not yet credited).
+ * QEMU writes 32 KiB at a time and the mover reads faster than that, so
+ * shipping whenever the socket is momentarily empty would send batches of a
+ * few KiB, each paying a write, a CRC call, two messages and a credit.
+ * Waiting while two are in flight lets batches grow with the stream's rate,
+ * yet the receiver always has the next one arriving while it delivers one.
+ */
+static int should_ship(struct fm_session *s, int eof, ssize_t got)
+{
+	const struct fm_batch_buf *b;
+
+	if (fill_index < 0 || s->bufs[fill_index].len == 0)
+		return 0;
+	b = &s->bufs[fill_index];
+	return b->len == s->slot_size || eof ||
+	       (got == 0 && fm_ring_in_flight(&s->ring) < 2);
+}
+
 static int pump(struct fm_session *s)
 {
-	int eof = 0, ship = 0, ret;
-	uint64_t bytes_seen = 0;
-	double seen = 0;
+	int eof = 0, ret;
+	ssize_t got;
 
-	while (!eof || ship || writes_pending(s) || fm_ring_in_flight(&s->ring)) {
+	while (!eof || fill_index >= 0 || writes_pending(s) || fm_ring_in_flight(&s->ring)) {
 		ret = fm_progress(s);
 		if (!ret)
 			ret = fm_check_peer(s, fm_ring_in_flight(&s->ring) || writes_pending(s));
 		if (ret)
 			return ret;
-		if (!eof && !ship) {
-			ship = fill_from_input(s, &eof, fm_ring_in_flight(&s->ring) ? 0 : 1);
-			if (ship < 0)
-				return ship;
+		got = eof ? 0 : fill_from_input(s, &eof);
+		if (got < 0)
+			return (int)got;
+		if (fill_index >= 0 && s->bufs[fill_index].len == 0 && eof) {
+			s->bufs[fill_index].state = FM_BUF_FREE; /* nothing left to ship */
+			fill_index = -1;
 		}
-		if (ship && fm_ring_can_send(&s->ring)) {
+		if (should_ship(s, eof, got) && fm_ring_can_send(&s->ring)) {
 			ret = post_write(s, fill_index);
 			if (ret)
 				return ret;
 			fill_index = -1;
-			ship = 0;
+			continue;
 		}
 		/* Nothing owed by the peer: silence is our input's, not the peer's. */
 		if (!fm_ring_in_flight(&s->ring) && !writes_pending(s))
 			s->last_progress = fm_now();
-		else if (s->stats.bytes == bytes_seen && !ship && (ret = fm_idle(s, &seen)))
-			return ret; /* (fm_idle waited on credits or completions) */
-		bytes_seen = s->stats.bytes;
+		/* tcp;ofi_rxm's wait fd announces arriving messages but not room to
+		 * continue a large write, so while one is partly sent wake each ms. */
+		if (got == 0) {
+			ret = fm_wait(s, !eof && fill_buf(s) ? s->local_fd : -1, POLLIN,
+				      writes_pending(s) ? 1 : 100);
+			if (ret)
+				return ret;
+		}
 	}
 	return 0;
 }

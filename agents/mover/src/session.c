@@ -161,6 +161,21 @@ int fm_check_peer(struct fm_session *s, int owed)
 	return 0;
 }
 
+static double cpu_seconds(const struct rusage *ru)
+{
+	return (double)ru->ru_utime.tv_sec + ru->ru_utime.tv_usec / 1e6 +
+	       (double)ru->ru_stime.tv_sec + ru->ru_stime.tv_usec / 1e6;
+}
+
+void fm_start_clock(struct fm_session *s)
+{
+	struct rusage ru;
+
+	getrusage(RUSAGE_SELF, &ru);
+	s->stats.seconds = fm_now();
+	s->stats.cpu_at_first_byte = cpu_seconds(&ru);
+}
+
 void fm_print_stats(struct fm_session *s)
 {
 	struct rusage ru;
@@ -177,24 +192,33 @@ void fm_print_stats(struct fm_session *s)
 		"{\"role\": \"%s\", \"provider\": \"%s\", \"bytes\": %llu, \"batches\": %llu, "
 		"\"reverse_bytes\": %llu, \"seconds\": %.6f, \"mib_per_s\": %.1f, "
 		"\"cpu_user_s\": %.3f, \"cpu_sys_s\": %.3f, \"batch_kib\": %u, \"depth\": %u, "
-		"\"ordered\": %d}\n",
+		"\"ordered\": %d, \"cpu_transfer_s\": %.3f}\n",
 		s->cfg->role, s->cfg->provider, (unsigned long long)s->stats.bytes,
 		(unsigned long long)s->stats.batches, (unsigned long long)s->stats.reverse_bytes,
 		s->stats.seconds, s->stats.seconds > 0 ? mib / s->stats.seconds : 0.0,
 		(double)ru.ru_utime.tv_sec + ru.ru_utime.tv_usec / 1e6,
 		(double)ru.ru_stime.tv_sec + ru.ru_stime.tv_usec / 1e6, s->cfg->batch_kib,
-		s->ring.depth, s->fab.ordered);
+		s->ring.depth, s->fab.ordered,
+		s->stats.seconds > 0 ? cpu_seconds(&ru) - s->stats.cpu_at_first_byte : 0.0);
 	if (out != stderr)
 		fclose(out);
 }
 
-int fm_idle(struct fm_session *s, double *seen)
+int fm_wait(struct fm_session *s, int fd, short events, int timeout_ms)
 {
-	if (s->last_progress != *seen) {
-		*seen = s->last_progress;
-		return 0;
-	}
-	/* Block on the CQ (it keeps the provider progressing) rather than spin:
-	 * the movers share the cores with QEMU. */
-	return fm_progress_wait(s, 1);
+	struct fid *cq = &s->fab.cq->fid;
+	struct pollfd p[3] = {
+		{.fd = s->fab.cq_fd, .events = POLLIN},
+		{.fd = s->oob_fd, .events = POLLIN},
+		{.fd = fd, .events = events},
+	};
+
+	if (s->fab.cq_fd < 0)
+		return fm_progress_wait(s, 1); /* no fd to poll: a short wait on the CQ alone */
+	/* fi_trywait fails (FI_EAGAIN) while the provider has work the fd would not
+	 * announce; then progressing now is the right thing to do. */
+	if (fi_trywait(s->fab.fabric, &cq, 1) == FI_SUCCESS &&
+	    poll(p, fd >= 0 && events ? 3 : 2, timeout_ms) < 0 && errno != EINTR)
+		return -errno;
+	return fm_progress(s);
 }

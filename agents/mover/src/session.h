@@ -12,6 +12,7 @@
 
 #define FM_MSG_POOL 64
 #define FM_MAX_DEPTH 32
+#define FM_MAX_SLOTS 256
 
 struct fm_config {
 	const char *role; /* "send" or "recv" */
@@ -25,11 +26,13 @@ struct fm_config {
 	const char *token;
 	const char *input;	  /* send: file or "-" */
 	const char *listen_unix;  /* send: QEMU connects here */
+	int listen_fd;		  /* send: or accept QEMU on this inherited listening socket */
 	const char *output;	  /* recv: file or "-" */
 	const char *connect_unix; /* recv: QEMU listens here */
 	int timeout_s;
 	int64_t inject_corruption; /* batch to corrupt after its CRC (tests), or -1 */
 	const char *stats_file;
+	const char *ready_file; /* send: created once bootstrapped */
 };
 
 enum fm_op_kind { FM_OP_RECV, FM_OP_SEND, FM_OP_WRITE };
@@ -51,9 +54,17 @@ struct fm_batch_buf {
 	struct fm_op op;
 };
 
+/* Receiver: a verified-in-sequence batch on its way to the output. */
+struct fm_delivery {
+	uint64_t seq;
+	uint32_t slot, crc;
+	size_t len, off;
+};
+
 struct fm_stats {
 	uint64_t bytes, batches, reverse_bytes;
 	double seconds, wait_credit_seconds;
+	double cpu_at_first_byte; /* user+sys: what setup cost is apart from the transfer's */
 };
 
 struct fm_session {
@@ -67,7 +78,11 @@ struct fm_session {
 	uint64_t ring_addr, ring_key;
 	uint32_t slot_size;
 	int oob_fd, local_fd;
+	int input_is_socket; /* sender: local_fd is a socket (non-blocking reads) */
 	int fin_received;
+	struct fm_delivery deliveries[FM_MAX_SLOTS]; /* receiver: FIFO of batches to deliver */
+	uint32_t queue_head, queued;
+	uint64_t accepted_bytes;
 	uint64_t fin_bytes;
 	double last_progress;
 	struct fm_stats stats;
@@ -89,8 +104,11 @@ int fm_progress_wait(struct fm_session *s, int timeout_ms);
 /* -ECONNRESET once the peer's bootstrap line is gone; with @owed (the peer owes
  * us a completion) also -ETIMEDOUT after timeout_s of silence. */
 int fm_check_peer(struct fm_session *s, int owed);
-/* Nothing happened since the last call: block up to 1 ms on the CQ. 0 or -errno. */
-int fm_idle(struct fm_session *s, double *seen);
+/* Nothing to do: sleep until the fabric, the bootstrap line or @fd (for @events;
+ * fd < 0: none) is ready, at most @timeout_ms, then progress.  0 or -errno. */
+int fm_wait(struct fm_session *s, int fd, short events, int timeout_ms);
+/* The first byte moves: start the clock and note the CPU spent so far (setup). */
+void fm_start_clock(struct fm_session *s);
 void fm_print_stats(struct fm_session *s);
 
 int fm_run_sender(struct fm_session *s);
