@@ -94,6 +94,7 @@ class CpuMeter:
         self.t0, self.ovs0, self.irq0 = time.monotonic(), self._ovs(), _softirq_s()
         self.napi0, self.guest0 = cpu_of(self.napi_pids), cpu_of(self.guest_pids)
         self.fabric0 = cpu_of(self.fabric_pids)
+        self.sleeps0 = sleeps_of(self.napi_pids)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -103,6 +104,8 @@ class CpuMeter:
         self.napi_pct = 100 * _delta(self.napi0, cpu_of(self.napi_pids)) / wall
         self.guest_napi_pct = 100 * _delta(self.guest0, cpu_of(self.guest_pids)) / wall
         self.fabric_napi_pct = 100 * _delta(self.fabric0, cpu_of(self.fabric_pids)) / wall
+        self.napi_cpu_s = _delta(self.napi0, cpu_of(self.napi_pids))
+        self.napi_sleeps = int(_delta(self.sleeps0, sleeps_of(self.napi_pids)))
 
     @property
     def host_pct(self) -> float:
@@ -130,6 +133,24 @@ def cpu_of(pids: list[int]) -> dict[int, float]:
         except OSError:
             pass  # gone (its device was deleted)
     return seconds
+
+
+def sleeps_of(pids: list[int]) -> dict[int, float]:
+    """Voluntary context switches so far of each thread still alive.
+
+    A NAPI kthread switches out voluntarily only when its poll found nothing
+    left and it went to sleep, so the count is how often it was woken.
+    """
+    counts = {}
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                counts[pid] = float(line.split()[1])
+    return counts
 
 
 def _delta(before: dict[int, float], after: dict[int, float]) -> float:
