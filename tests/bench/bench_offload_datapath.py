@@ -2,6 +2,7 @@
 
     .venv/bin/python -m tests.bench.bench_offload_datapath [--out FILE] [--duration S]
         [--streams 1,2,4,8] [--flows 100000] [--senders 2] [--rounds 3] [--udp-mbps 100]
+        [--stream-rounds 3]
 
 (a) packets/s, endpoint a1 -> a2 on host A, 64-byte frames from udpgen --raw
     (one sender process per core: a single one is what runs out of CPU first):
@@ -26,7 +27,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import functools
 import json
 import os
 import statistics
@@ -328,8 +328,10 @@ def stream_row(
         meter = host_cpu.CpuMeter(
             [a, b],
             port_threads,
-            _stable_threads(tuple(ep.netns for ep in [*senders, *receivers]), ENDPOINT_IFS),
-            _stable_threads((topology.FABRIC_NETNS,), tuple(fabric_ifs)),
+            host_cpu.stable_napi_threads(
+                tuple(ep.netns for ep in [*senders, *receivers]), ENDPOINT_IFS
+            ),
+            host_cpu.stable_napi_threads((topology.FABRIC_NETNS,), tuple(fabric_ifs)),
         )
         with meter as cpu:
             if proto == "tcp":
@@ -369,13 +371,6 @@ def stream_row(
 
 STREAM_PROTOS = ("udp", "udp-paced", "tcp")
 ENDPOINT_IFS = (endpoints.ENDPOINT_IF,)
-
-
-@functools.cache
-def _stable_threads(netns_names: tuple[str, ...], ifnames: tuple[str, ...]) -> list[int]:
-    """NAPI threads of interfaces whose XDP program stays for the whole run
-    (endpoints' eth0, the fabric's ports): looked up once, not per row."""
-    return [pid for ns in netns_names for pid in host_cpu.napi_threads(ns, list(ifnames))]
 
 
 def stream_rows(lab: Lab, eps: dict, counts: list[int], args: argparse.Namespace) -> list[dict]:

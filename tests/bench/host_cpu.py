@@ -6,6 +6,7 @@ kernel's netdev netlink family (napi_threads.py), in seconds of CPU.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -118,6 +119,13 @@ class CpuMeter:
 
     def _ovs(self) -> float:
         return sum(proc_cpu_s(p) for p in self.pids)
+
+
+@functools.cache
+def stable_napi_threads(netns_names: tuple[str, ...], ifnames: tuple[str, ...]) -> list[int]:
+    """NAPI threads of interfaces whose XDP program stays for the whole run
+    (endpoints' eth0, the fabric's ports): looked up once, not per measurement."""
+    return [pid for ns in netns_names for pid in napi_threads(ns, list(ifnames))]
 
 
 def guest_threads(eps: list[endpoints.Endpoint]) -> list[int]:
