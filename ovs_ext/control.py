@@ -225,11 +225,14 @@ class OffloadControl:
                 continue
             by_owner.setdefault(flow.owner, []).append(OffloadEntry(match, flow.out_port))
         installed: list[FlowMatch] = []
-        now = self.wall_clock()
+        requested = self.wall_clock()
         for owner, entries in by_owner.items():
             result = self.dispatchers.by_port[owner].offload(entries)
+            # Offloaded once the provider says so, not when asked: what a latency
+            # measured from this stamp includes is the whole path.
+            done = self.wall_clock()
             for match in result.installed:
-                self.flows.mark_offloaded(match, reason, now)
+                self.flows.mark_offloaded(match, reason, done, requested)
                 LOG.info("flow %s offloaded (%s)", _fmt(match), reason)
                 installed.append(match)
             for match, why in result.failed.items():
@@ -272,6 +275,7 @@ class OffloadControl:
                     "offloaded_bytes": off.bytes,
                     "pps": round(flow.rate(window).pps, 1),
                     "offloaded_at": flow.offloaded_at,
+                    "offload_requested_at": flow.offload_requested_at,
                     "moves": flow.moves,
                 }
             )

@@ -90,7 +90,8 @@ class TrackedFlow:
     offload_done: FlowCounters = dataclasses.field(default_factory=FlowCounters)
     quiet_polls: int = 0
     last_active: float = 0.0  # monotonic; when its total last grew
-    offloaded_at: float | None = None  # wall clock of the latest promotion
+    offloaded_at: float | None = None  # wall clock: the latest promotion's install returned
+    offload_requested_at: float | None = None  # wall clock: ... was decided and asked for
     moves: int = 0
     history: collections.deque[tuple[float, int, int]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=HISTORY_SAMPLES)
@@ -210,13 +211,17 @@ class FlowManager:
         return [f for f in self._flows.values() if max(f.last_active, f.first_seen) < cutoff]
 
     # -- moves ------------------------------------------------------------------
-    def mark_offloaded(self, match: FlowMatch, reason: str, wall_time: float) -> None:
+    def mark_offloaded(
+        self, match: FlowMatch, reason: str, wall_time: float, requested_at: float | None = None
+    ) -> None:
+        """Offloaded at ``wall_time`` (install returned), asked for at ``requested_at``."""
         flow = self._flows[match]
         flow.state = FlowState.OFFLOADED
         flow.offload_live = FlowCounters()
         flow.reason = reason
         flow.quiet_polls = 0
         flow.offloaded_at = wall_time
+        flow.offload_requested_at = wall_time if requested_at is None else requested_at
         flow.moves += 1
 
     def mark_onloaded(self, match: FlowMatch, final: FlowCounters | None, reason: str) -> None:

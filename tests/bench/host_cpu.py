@@ -6,6 +6,7 @@ kernel's netdev netlink family (napi_threads.py), in seconds of CPU.
 
 from __future__ import annotations
 
+import functools
 import json
 import subprocess
 import sys
@@ -94,6 +95,7 @@ class CpuMeter:
         self.t0, self.ovs0, self.irq0 = time.monotonic(), self._ovs(), _softirq_s()
         self.napi0, self.guest0 = cpu_of(self.napi_pids), cpu_of(self.guest_pids)
         self.fabric0 = cpu_of(self.fabric_pids)
+        self.sleeps0 = sleeps_of(self.napi_pids)
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -103,6 +105,8 @@ class CpuMeter:
         self.napi_pct = 100 * _delta(self.napi0, cpu_of(self.napi_pids)) / wall
         self.guest_napi_pct = 100 * _delta(self.guest0, cpu_of(self.guest_pids)) / wall
         self.fabric_napi_pct = 100 * _delta(self.fabric0, cpu_of(self.fabric_pids)) / wall
+        self.napi_cpu_s = _delta(self.napi0, cpu_of(self.napi_pids))
+        self.napi_sleeps = int(_delta(self.sleeps0, sleeps_of(self.napi_pids)))
 
     @property
     def host_pct(self) -> float:
@@ -115,6 +119,13 @@ class CpuMeter:
 
     def _ovs(self) -> float:
         return sum(proc_cpu_s(p) for p in self.pids)
+
+
+@functools.cache
+def stable_napi_threads(netns_names: tuple[str, ...], ifnames: tuple[str, ...]) -> list[int]:
+    """NAPI threads of interfaces whose XDP program stays for the whole run
+    (endpoints' eth0, the fabric's ports): looked up once, not per measurement."""
+    return [pid for ns in netns_names for pid in napi_threads(ns, list(ifnames))]
 
 
 def guest_threads(eps: list[endpoints.Endpoint]) -> list[int]:
@@ -130,6 +141,24 @@ def cpu_of(pids: list[int]) -> dict[int, float]:
         except OSError:
             pass  # gone (its device was deleted)
     return seconds
+
+
+def sleeps_of(pids: list[int]) -> dict[int, float]:
+    """Voluntary context switches so far of each thread still alive.
+
+    A NAPI kthread switches out voluntarily only when its poll found nothing
+    left and it went to sleep, so the count is how often it was woken.
+    """
+    counts = {}
+    for pid in pids:
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+        except OSError:
+            continue
+        for line in status.splitlines():
+            if line.startswith("voluntary_ctxt_switches:"):
+                counts[pid] = float(line.split()[1])
+    return counts
 
 
 def _delta(before: dict[int, float], after: dict[int, float]) -> float:

@@ -316,3 +316,26 @@ def test_idle_flows_are_forgotten_with_their_offload_entry():
     assert [f.match for f in expired] == [quiet]
     assert sim.control.flows.get(quiet) is None and quiet not in sim.provider.entries
     assert sim.control.flows.get(busy) is not None
+
+
+def test_offloaded_at_is_when_the_install_returned_not_when_asked():
+    sim = Sim(stats_policy())
+    m = flow(1)
+    sim.start(m, "phy0")
+    for _ in range(3):
+        sim.tick({m: 200})
+    install = sim.provider.install
+
+    def slow_install(entries):
+        sim.clock.now += 0.25  # the provider takes a while (privsep, map update)
+        return install(entries)
+
+    sim.provider.install = slow_install
+    sim.tick({m: 5000})
+    asked_at = sim.clock.now - 0.25
+    record = next(
+        f for f in sim.control.status()["flows"] if f["id"] == sim.control.flows.get(m).flow_id
+    )
+    assert record["state"] == "offloaded"
+    assert record["offload_requested_at"] == pytest.approx(asked_at)
+    assert record["offloaded_at"] == pytest.approx(asked_at + 0.25)
