@@ -37,6 +37,7 @@ from flexmig.lab import image, vm
 from flexmig.lab.lab import Lab
 
 BANDWIDTH_MIB = 100
+DEFAULT_OUT = Path("docs/benchmarks/modes.md")
 TIMEOUT_S = 90.0
 SHORT_BUDGET_MB = 400
 QEMU_OVERHEAD_MB = 160
@@ -230,7 +231,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--repeat", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/modes.md"))
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
         "--workloads",
         default=",".join(WORKLOADS),
@@ -268,7 +269,9 @@ def main() -> None:
     header = [
         f"# Migration strategies x workloads ({datetime.date.today()})",
         "",
-        f"Command: `.venv/bin/python -m tests.bench.bench_modes --repeat {args.repeat}`",
+        f"Command: `.venv/bin/python -m tests.bench.bench_modes --repeat {args.repeat}"
+        + (f" --workloads {args.workloads}" if args.workloads != ",".join(WORKLOADS) else "")
+        + (f" --out {args.out}`" if args.out != DEFAULT_OUT else "`"),
         "",
         f"Lab: 2 hosts, 512 MiB TCG guests, stream capped at {BANDWIDTH_MIB} MiB/s (both "
         f"phases) for every strategy; short destination: B offers {SHORT_BUDGET_MB} MiB for "

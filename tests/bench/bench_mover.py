@@ -214,7 +214,7 @@ HEADER = """\
 Command: `.venv/bin/python -m tests.bench.bench_mover`
 
 Lab management fabric A -> B (veth + Linux bridge), provider tcp;ofi_rxm (default batches
-of 256 KiB there), run under `/work/wt/bench` (no other lab job on the 2 cores). Raw path:
+of 256 KiB there), run with no other lab job on the 2 cores. Raw path:
 iperf3, one stream, two 3 s runs (before and after the mover runs) averaged. Mover alone:
 512 MiB from page cache to /dev/null, with 256 KiB and with seed 000's 4 MiB batches, the
 four variants interleaved, medians of 3 (receiver ring of 16 slots in every run).
