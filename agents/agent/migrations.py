@@ -243,6 +243,8 @@ class MigrationService:
     def _execute(self, record: MigrationRecord, dest: Destination) -> None:
         decision = record.decision
         assert decision is not None
+        # A split VM's flusher is set up with its reservation and stays with the VM.
+        writeback = decision.mode != "split" and record.store_writeback
         if decision.mode == "split":
             dest.agent.post(
                 "/v1/split/prepare",
@@ -256,7 +258,7 @@ class MigrationService:
                 f"destination reserved a {decision.memory_budget_bytes >> 20} MiB "
                 "resident budget"
             )
-        elif record.store_writeback:
+        elif writeback:
             self._request_writeback(record, dest)
         record.transport = choose_transport(
             record.requested_transport,
@@ -303,7 +305,7 @@ class MigrationService:
             )
             result = job.run()
         mover_stats = self._finish_movers(record, dest, sender, result.state == "completed")
-        if decision.mode != "split" and record.store_writeback:
+        if writeback:
             record.writeback_rounds = self._end_writeback(record, dest)
         if result.state != "completed":
             if decision.mode == "split" and not result.switched_to_postcopy:

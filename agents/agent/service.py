@@ -99,10 +99,8 @@ class Agent:
 
     def _start_flusher(self, vm: str, lifetime_s: float | None = None) -> None:
         """Flush the VM's memory file in 1 MiB ranges once the incoming QEMU made it."""
+        self._stop_flusher(vm)
         stop = threading.Event()
-        old = self.flush_stops.pop(vm, None)
-        if old:
-            old.set()
         self.flush_stops[vm] = stop
         deadline = None if lifetime_s is None else time.monotonic() + lifetime_s
 
@@ -113,11 +111,18 @@ class Agent:
                     return
                 path = self.store.memory_file(vm)
             if path:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                self.flushers[vm] = ChunkFlusher(path, stop, remaining)
+                self.flushers[vm] = ChunkFlusher(path, stop, deadline)
                 self.flushers[vm].run()
 
         threading.Thread(target=wait_and_flush, name=f"flush-wait-{vm}", daemon=True).start()
+
+    def _stop_flusher(self, vm: str) -> int:
+        """Stop the VM's flusher, if any: how often it wrote the whole file back."""
+        stop = self.flush_stops.pop(vm, None)
+        if stop:
+            stop.set()
+        flusher = self.flushers.pop(vm, None)
+        return flusher.rounds if flusher else 0
 
     def incoming_writeback(
         self, body: dict[str, Any], _m: re.Match[str]
@@ -132,15 +137,10 @@ class Agent:
         if self.store.reservation(vm) is not None:
             return 200, {"vm": vm, "writeback": "split"}
         if body["active"]:
-            self.flushers.pop(vm, None)
             self._start_flusher(vm, INCOMING_WRITEBACK_MAX_S)
             return 200, {"vm": vm, "writeback": "on"}
-        stop = self.flush_stops.pop(vm, None)
-        if stop:
-            stop.set()
-        flusher = self.flushers.pop(vm, None)
         # rounds: how often the whole file was written back (0: no memory file appeared)
-        return 200, {"vm": vm, "writeback": "off", "rounds": flusher.rounds if flusher else 0}
+        return 200, {"vm": vm, "writeback": "off", "rounds": self._stop_flusher(vm)}
 
     def mover_receive(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         api.check_fields(body, {"migration_id": str, "token": str}, {"streams": int})
@@ -169,9 +169,7 @@ class Agent:
 
     def split_cleanup(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         api.check_fields(body, {"vm": str})
-        stop = self.flush_stops.pop(body["vm"], None)
-        if stop:
-            stop.set()
+        self._stop_flusher(body["vm"])
         self.store.cleanup(body["vm"], privileged.remove_split_cgroup)
         return 200, {"vm": body["vm"], "cleaned": True}
 

@@ -154,11 +154,12 @@ class ChunkFlusher(threading.Thread):
     by the guest.
     """
 
-    def __init__(self, path: str, stop: threading.Event, lifetime_s: float | None = None) -> None:
+    def __init__(self, path: str, stop: threading.Event, deadline: float | None = None) -> None:
+        """``deadline``: a time.monotonic() value to stop at (None: while the file exists)."""
         super().__init__(name=f"flush-{os.path.basename(path)}", daemon=True)
         self.path = path
         self.stop_event = stop
-        self.deadline = None if lifetime_s is None else time.monotonic() + lifetime_s
+        self.deadline = deadline
         self.rounds = 0
 
     def run(self) -> None:

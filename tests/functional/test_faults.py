@@ -67,7 +67,9 @@ def test_cutting_the_fabric_during_precopy_aborts_and_keeps_the_vm(lab, slow_vm)
     assert result["state"] == "completed" and result["verify"]["bad"] == 0
 
 
-def test_cutting_the_fabric_during_postcopy_recovers_when_it_returns(lab):
+@pytest.fixture
+def hot_vm(lab):
+    """Anonymous memory (postcopy can serve it), dirtying faster than precopy converges."""
     guest = vm.create(
         lab,
         "A",
@@ -76,53 +78,49 @@ def test_cutting_the_fabric_during_postcopy_recovers_when_it_returns(lab):
         memory_backing="anonymous",
         name="pc",
     )
-    try:
-        _, agent, mid = migrate_cli.start(lab, "pc", "B", mode="postcopy", bandwidth_mib=16)
-        _wait_phase(agent, mid, "postcopy", timeout=180)
-        time.sleep(0.5)
-        fabric.set_mgmt_link(lab.host("B").spec, False)
-        time.sleep(20)  # well past the stall timeout: postcopy pauses, recovery starts
-        fabric.set_mgmt_link(lab.host("B").spec, True)
-        record = migrate_cli.follow(agent, mid)
-        assert record["state"] == "completed", (record["error"], record["events"])
-        events = [text for _ts, text in record["events"]]
-        # The outage was noticed — by the stall watchdog, or by libvirt's control
-        # connection breaking first — and the postcopy stream carried on once the
-        # link was back.
-        noticed = ("interrupting: no progress", "postcopy interrupted")
-        assert any(text.startswith(noticed) for text in events), events
-        _check_vm(guest, "B")
-    finally:
-        fabric.set_mgmt_link(lab.host("B").spec, True)
-        vm.destroy(lab, "pc")
+    yield guest
+    fabric.set_mgmt_link(lab.host("B").spec, True)
+    vm.destroy(lab, "pc")
 
 
-def test_a_stream_reset_during_postcopy_is_resumed_by_postcopy_recovery(lab):
+def _start_postcopy(lab):
+    """A hybrid migration of hot_vm to B, once it is in its postcopy phase."""
+    _, agent, mid = migrate_cli.start(lab, "pc", "B", mode="postcopy", bandwidth_mib=16)
+    _wait_phase(agent, mid, "postcopy", timeout=180)
+    time.sleep(0.5)
+    return agent, mid
+
+
+def _completed_events(agent, mid):
+    record = migrate_cli.follow(agent, mid)
+    assert record["state"] == "completed", (record["error"], record["events"])
+    return record, [text for _ts, text in record["events"]]
+
+
+def test_cutting_the_fabric_during_postcopy_recovers_when_it_returns(lab, hot_vm):
+    agent, mid = _start_postcopy(lab)
+    fabric.set_mgmt_link(lab.host("B").spec, False)
+    time.sleep(20)  # well past the stall timeout: postcopy pauses, recovery starts
+    fabric.set_mgmt_link(lab.host("B").spec, True)
+    _record, events = _completed_events(agent, mid)
+    # The outage was noticed — by the stall watchdog, or by libvirt's control
+    # connection breaking first — and the postcopy stream carried on once the
+    # link was back.
+    noticed = ("interrupting: no progress", "postcopy interrupted")
+    assert any(text.startswith(noticed) for text in events), events
+    _check_vm(hot_vm, "B")
+
+
+def test_a_stream_reset_during_postcopy_is_resumed_by_postcopy_recovery(lab, hot_vm):
     """The fabric fails for real (both QEMUs' connection reset, link down): the
     VM pauses in postcopy on both hosts and the job resumes it once the link is back."""
-    guest = vm.create(
-        lab,
-        "A",
-        ram="512M",
-        workload="dirtier:wss=256M,rate=100000",
-        memory_backing="anonymous",
-        name="pcr",
-    )
     spec_a, spec_b = lab.host("A").spec, lab.host("B").spec
-    try:
-        _, agent, mid = migrate_cli.start(lab, "pcr", "B", mode="postcopy", bandwidth_mib=16)
-        _wait_phase(agent, mid, "postcopy", timeout=180)
-        time.sleep(0.5)
-        fabric.set_mgmt_link(spec_b, False)
-        fabric.reset_migration_streams(spec_a, spec_b)
-        time.sleep(10)
-        fabric.set_mgmt_link(spec_b, True)
-        record = migrate_cli.follow(agent, mid)
-        assert record["state"] == "completed", (record["error"], record["events"])
-        events = [text for _ts, text in record["events"]]
-        assert any(text.startswith("postcopy resumed and completed") for text in events), events
-        assert record["summary"]["recovered"]
-        _check_vm(guest, "B")
-    finally:
-        fabric.set_mgmt_link(spec_b, True)
-        vm.destroy(lab, "pcr")
+    agent, mid = _start_postcopy(lab)
+    fabric.set_mgmt_link(spec_b, False)
+    fabric.reset_migration_streams(spec_a, spec_b)
+    time.sleep(10)
+    fabric.set_mgmt_link(spec_b, True)
+    record, events = _completed_events(agent, mid)
+    assert any(text.startswith("postcopy resumed and completed") for text in events), events
+    assert record["summary"]["recovered"]
+    _check_vm(hot_vm, "B")

@@ -75,7 +75,9 @@ def test_the_flusher_stops_when_told_or_at_its_deadline(tmp_path: Path) -> None:
     told.start()
     stop.set()
     _wait_stopped(told)
-    expiring = split_store.ChunkFlusher(str(path), threading.Event(), lifetime_s=0.3)
+    expiring = split_store.ChunkFlusher(
+        str(path), threading.Event(), deadline=time.monotonic() + 0.3
+    )
     expiring.start()
     _wait_stopped(expiring)
 
