@@ -15,6 +15,7 @@ from pathlib import Path
 
 from flexmig.lab import endpoints
 from flexmig.lab.host import LabHost
+from tests.bench.softirq_time import SLOT_OTHER_NS, SoftirqClock
 
 NAPI_HELPER = Path(__file__).resolve().parent / "napi_threads.py"
 BACKGROUND_SAMPLE_S = 1.0
@@ -47,7 +48,8 @@ def proc_cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / 100.0  # utime + stime, USER_HZ
 
 
-def _softirq_s() -> float:
+def _softirq_ticks_s() -> float:
+    """/proc/stat's softirq column: tick-sampled, kept beside the exact time for comparison."""
     cpu = Path("/proc/stat").read_text().splitlines()[0].split()
     return int(cpu[7]) / 100.0
 
@@ -67,11 +69,12 @@ def napi_threads(netns: str, ifnames: list[str]) -> list[int]:
 class CpuMeter:
     """Host CPU of a switch path, in % of one core.
 
-    Host: ovs-vswitchd of the given hosts, the machine's softirq time, and
-    the NAPI kthreads of the hosts' ports (``port_threads``) where the
-    eSwitch runs.  Apart, as the guests' own: the endpoints' eth0 NAPI
-    kthreads (``guest_threads``, their receive stacks: a VM's vCPU work);
-    and the fabric's (``fabric_threads``: the physical network's forwarding).
+    Host: ovs-vswitchd of the given hosts, the machine's network softirq time
+    (NET_TX + NET_RX handlers, timed exactly: softirq_time.py), and the NAPI
+    kthreads of the hosts' ports (``port_threads``) where the eSwitch runs.
+    Apart, as the guests' own: the endpoints' eth0 NAPI kthreads
+    (``guest_threads``, their receive stacks: a VM's vCPU work); and the
+    fabric's (``fabric_threads``: the physical network's forwarding).
     Threads are named by the kernel per interface (napi_threads.py), so
     another lab's busy ports are never counted as ours.
     """
@@ -88,11 +91,13 @@ class CpuMeter:
         self.fabric_pids = fabric_threads or []
 
     def __enter__(self) -> CpuMeter:
+        self._clock = SoftirqClock().__enter__()
         # The machine's softirq includes other labs' traffic: sample it idle first.
-        idle0, t_idle = _softirq_s(), time.monotonic()
+        idle0, t_idle = self._clock.seconds(), time.monotonic()
         time.sleep(BACKGROUND_SAMPLE_S)
-        self.background_pct = 100 * (_softirq_s() - idle0) / (time.monotonic() - t_idle)
-        self.t0, self.ovs0, self.irq0 = time.monotonic(), self._ovs(), _softirq_s()
+        self.background_pct = 100 * (self._clock.seconds() - idle0) / (time.monotonic() - t_idle)
+        self.t0, self.ovs0, self.irq0 = time.monotonic(), self._ovs(), self._clock.seconds()
+        self.ticks0, self.other0 = _softirq_ticks_s(), self._clock.seconds(SLOT_OTHER_NS)
         self.napi0, self.guest0 = cpu_of(self.napi_pids), cpu_of(self.guest_pids)
         self.fabric0 = cpu_of(self.fabric_pids)
         self.sleeps0 = sleeps_of(self.napi_pids)
@@ -101,7 +106,11 @@ class CpuMeter:
     def __exit__(self, *exc: object) -> None:
         wall = time.monotonic() - self.t0
         self.ovs_pct = 100 * (self._ovs() - self.ovs0) / wall
-        self.softirq_pct = 100 * (_softirq_s() - self.irq0) / wall
+        self.softirq_pct = 100 * (self._clock.seconds() - self.irq0) / wall
+        self.softirq_ticks_pct = 100 * (_softirq_ticks_s() - self.ticks0) / wall
+        # Timers, RCU, scheduler: not the switch path, kept for the record.
+        self.softirq_other_pct = 100 * (self._clock.seconds(SLOT_OTHER_NS) - self.other0) / wall
+        self._clock.__exit__()
         self.napi_pct = 100 * _delta(self.napi0, cpu_of(self.napi_pids)) / wall
         self.guest_napi_pct = 100 * _delta(self.guest0, cpu_of(self.guest_pids)) / wall
         self.fabric_napi_pct = 100 * _delta(self.fabric0, cpu_of(self.fabric_pids)) / wall
