@@ -23,7 +23,7 @@ from agents.agent import movers, privileged
 from agents.agent.client import AgentClient
 from flexmig import exceptions, hypervisor, vm_facts
 from flexmig.modes.base import MigrationMode
-from flexmig.modes.job import JobConfig, MigrationJob
+from flexmig.modes.job import JobConfig, JobResult, MigrationJob
 from flexmig.policy import dirty_model
 from flexmig.policy.decision import Decision, MigrationInputs, decide
 from flexmig.policy.transport import TransportChoice, choose_transport
@@ -243,9 +243,44 @@ class MigrationService:
     def _execute(self, record: MigrationRecord, dest: Destination) -> None:
         decision = record.decision
         assert decision is not None
-        # A split VM's flusher is set up with its reservation and stays with the VM.
-        writeback = decision.mode != "split" and record.store_writeback
+        writeback = self._prepare_destination(record, dest)
+        record.transport = choose_transport(
+            record.requested_transport,
+            movers.rdma_provider_present(),
+            self.conf.agent.tcp_fabric_transport,
+        )
+        record.event(f"transport: {record.transport.transport} ({record.transport.reason})")
+        sender = None
+        migration_uri = dest.migration_uri
+        if record.transport.transport == "mover":
+            sender = self._start_movers(record, dest)
+            migration_uri = "unix://" + movers.socket_path(self.conf.agent.state_dir, record.id)
+        result = self._run_job(record, dest, migration_uri)
+        mover_stats = self._finish_movers(record, dest, sender, result.state == "completed")
+        if writeback:
+            record.writeback_rounds = self._end_writeback(record, dest)
+        if result.state != "completed":
+            if decision.mode == "split" and not result.switched_to_postcopy:
+                _quietly(lambda: dest.agent.post("/v1/split/cleanup", {"vm": record.vm}))
+            record.state, record.error = "failed", result.error
+            record.event(f"failed: {result.error}; the VM runs on {self.host}")
+            return
+        record.summary = self._summary(record, dest, result) | {
+            "transport": record.transport.transport,
+            "parallel": record.parallel,
+            "movers": mover_stats,
+            "store_writeback": record.store_writeback,
+            "store_writeback_rounds": record.writeback_rounds,
+        }
+        record.state = "completed"
+        record.event("completed")
+
+    def _prepare_destination(self, record: MigrationRecord, dest: Destination) -> bool:
+        """Reserve a split VM's budget or start the store writeback; True for the latter."""
+        decision = record.decision
+        assert decision is not None
         if decision.mode == "split":
+            # A split VM's flusher is set up with its reservation and stays with the VM.
             dest.agent.post(
                 "/v1/split/prepare",
                 {
@@ -258,19 +293,15 @@ class MigrationService:
                 f"destination reserved a {decision.memory_budget_bytes >> 20} MiB "
                 "resident budget"
             )
-        elif writeback:
+            return False
+        if record.store_writeback:
             self._request_writeback(record, dest)
-        record.transport = choose_transport(
-            record.requested_transport,
-            movers.rdma_provider_present(),
-            self.conf.agent.tcp_fabric_transport,
-        )
-        record.event(f"transport: {record.transport.transport} ({record.transport.reason})")
-        sender = None
-        migration_uri = dest.migration_uri
-        if record.transport.transport == "mover":
-            sender = self._start_movers(record, dest)
-            migration_uri = "unix://" + movers.socket_path(self.conf.agent.state_dir, record.id)
+        return record.store_writeback
+
+    def _run_job(self, record: MigrationRecord, dest: Destination, migration_uri: str) -> JobResult:
+        """Drive libvirt's migration to its end; the job reports progress into the record."""
+        decision = record.decision
+        assert decision is not None
         config = JobConfig(
             dest_libvirt_uri=dest.libvirt_uri,
             migration_uri=migration_uri,
@@ -292,9 +323,8 @@ class MigrationService:
                 return False
 
         with hypervisor.connect(self.conf.agent.libvirt_uri, self.host) as conn:
-            dom = conn.lookupByName(record.vm)
             job = MigrationJob(
-                dom,
+                conn.lookupByName(record.vm),
                 self.host,
                 decision,
                 load_mode(decision.mode),
@@ -303,24 +333,7 @@ class MigrationService:
                 on_event=record.event,
                 peer_alive=dest_alive,
             )
-            result = job.run()
-        mover_stats = self._finish_movers(record, dest, sender, result.state == "completed")
-        if writeback:
-            record.writeback_rounds = self._end_writeback(record, dest)
-        if result.state != "completed":
-            if decision.mode == "split" and not result.switched_to_postcopy:
-                _quietly(lambda: dest.agent.post("/v1/split/cleanup", {"vm": record.vm}))
-            record.state, record.error = "failed", result.error
-            record.event(f"failed: {result.error}; the VM runs on {self.host}")
-            return
-        record.summary = self._summary(record, dest, result)
-        record.summary["transport"] = record.transport.transport
-        record.summary["parallel"] = record.parallel
-        record.summary["movers"] = mover_stats
-        record.summary["store_writeback"] = record.store_writeback
-        record.summary["store_writeback_rounds"] = record.writeback_rounds
-        record.state = "completed"
-        record.event("completed")
+            return job.run()
 
     def _request_writeback(self, record: MigrationRecord, dest: Destination) -> None:
         """Destination QEMU msyncs a file-backed VM's RAM inside the downtime:
