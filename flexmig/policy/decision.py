@@ -206,6 +206,28 @@ def _choose(
     return "postcopy"
 
 
+def _mode_reason(inp: MigrationInputs, mode: str, pre: precopy.Prediction, switch: int) -> str:
+    """Why this mode, in the operator's terms."""
+    if mode == "split":
+        return (
+            f"destination has {inp.dest_free_bytes // MIB} MiB free, less than the "
+            f"VM's {inp.ram_bytes // MIB} MiB plus QEMU's own: split places the "
+            "VM's memory in its store file with only the hot set resident"
+        )
+    if mode == "precopy" and pre.converged:
+        return f"precopy converges in {len(pre.rounds)} round(s) within the budget"
+    if mode == "precopy":
+        why = inp.postcopy_blocker or "precopy was requested"
+        return (
+            f"precopy does not converge ({pre.stop_reason}) and postcopy is out "
+            f"({why}): auto-converge will throttle the guest's CPUs"
+        )
+    return (
+        f"precopy does not converge ({pre.stop_reason}); hybrid switches to "
+        f"postcopy after round {switch}"
+    )
+
+
 def _parameters(
     inp: MigrationInputs,
     mode: str,
@@ -223,25 +245,7 @@ def _parameters(
     transfer = {"precopy": "precopy", "postcopy": "postcopy"}.get(
         mode, "postcopy" if not pre.converged and can_postcopy else "precopy"
     )
-    if mode == "split":
-        reasons.append(
-            f"destination has {inp.dest_free_bytes // MIB} MiB free, less than the "
-            f"VM's {inp.ram_bytes // MIB} MiB plus QEMU's own: split places the "
-            "VM's memory in its store file with only the hot set resident"
-        )
-    elif mode == "precopy" and pre.converged:
-        reasons.append(f"precopy converges in {len(pre.rounds)} round(s) within the budget")
-    elif mode == "precopy":
-        why = inp.postcopy_blocker or "precopy was requested"
-        reasons.append(
-            f"precopy does not converge ({pre.stop_reason}) and postcopy is out "
-            f"({why}): auto-converge will throttle the guest's CPUs"
-        )
-    else:
-        reasons.append(
-            f"precopy does not converge ({pre.stop_reason}); hybrid switches to "
-            f"postcopy after round {switch}"
-        )
+    reasons.append(_mode_reason(inp, mode, pre, switch))
     prediction = hybrid if transfer == "postcopy" else pre
     downtime_ms = inp.max_downtime_ms
     if transfer == "precopy" and pre.converged:
