@@ -493,27 +493,26 @@ static int arm_timer(double duration)
  * a signal, and the program's own counter says how many frames it sent.
  */
 static int generate(const struct options *o, int prog_fd, const uint8_t *frame, size_t len,
-		    uint64_t *done, double *seconds)
+		    double *seconds)
 {
 	LIBBPF_OPTS(bpf_test_run_opts, run, .data_in = frame, .data_size_in = (uint32_t)len,
 		    .flags = BPF_F_TEST_XDP_LIVE_FRAMES, .batch_size = o->batch);
 	double start = now();
-	uint64_t left;
+	uint64_t done = 0, left;
 	int err;
 
-	*done = 0;
 	err = o->count ? 0 : arm_timer(o->duration);
-	while (!err && !time_is_up && (!o->count || *done < o->count)) {
-		left = o->count ? o->count - *done : REPEAT_PER_CALL;
+	while (!err && !time_is_up && (!o->count || done < o->count)) {
+		left = o->count ? o->count - done : REPEAT_PER_CALL;
 		run.repeat = left < REPEAT_PER_CALL ? (uint32_t)left : REPEAT_PER_CALL;
 		if (!bpf_prog_test_run_opts(prog_fd, &run)) {
-			*done += run.repeat;
+			done += run.repeat;
 			continue;
 		}
 		err = -errno;
 		if (err == -EINTR && time_is_up)
 			err = 0;
-		else if (err == -EINVAL && !*done)
+		else if (err == -EINVAL && !done)
 			fprintf(stderr, "xdpgen: the kernel refused an XDP live-frames test run "
 				"(BPF_F_TEST_XDP_LIVE_FRAMES needs Linux >= 5.18)\n");
 		else
@@ -523,16 +522,61 @@ static int generate(const struct options *o, int prog_fd, const uint8_t *frame, 
 	return err;
 }
 
-static int run(struct options *o)
+static void print_totals(const struct options *o, uint64_t packets, double seconds,
+			 size_t len, const struct xmit_counters *before,
+			 const struct xmit_counters *after, double cpu)
+{
+	long long xmit = counter_delta(before->xmit, after->xmit);
+
+	printf("{\"packets\": %llu, \"seconds\": %.6f, \"pps\": %.1f, \"frame_bytes\": %zu, "
+	       "\"batch\": %u, \"xdp_xmit\": %lld, \"xdp_xmit_errors\": %lld, \"not_sent\": %lld, "
+	       "\"cpu_seconds\": %.3f}\n",
+	       (unsigned long long)packets, seconds, seconds > 0 ? packets / seconds : 0.0, len,
+	       o->batch, xmit, counter_delta(before->errors, after->errors),
+	       xmit < 0 ? -1 : (long long)packets - xmit, cpu);
+}
+
+/* Loads the program for --dev, generates, prints the totals. */
+static int send_frames(const struct options *o, int ifindex, const uint8_t *frame, size_t len)
 {
 	struct xmit_counters before, after;
 	struct bpf_object *obj = NULL;
-	static uint8_t frame[FRAME_MAX];
 	char path[PATH_MAX];
-	uint64_t ran, packets;
-	long long xmit;
 	double seconds, cpu;
-	int ifindex, err;
+	uint64_t packets;
+	int err;
+
+	err = o->obj ? 0 : default_object(path, sizeof(path));
+	if (err) {
+		fprintf(stderr, "xdpgen: cannot locate xdpgen.bpf.o: %s\n", strerror(-err));
+		goto out;
+	}
+	err = load_program(o->obj ? o->obj : path, ifindex, &obj);
+	if (err)
+		goto out;
+	read_xmit_counters(o->dev, &before); /* none: the counters stay -1 */
+	cpu = cpu_seconds();
+	err = generate(o, bpf_program__fd(bpf_object__next_program(obj, NULL)), frame, len,
+		       &seconds);
+	cpu = cpu_seconds() - cpu;
+	if (err)
+		goto out;
+	read_xmit_counters(o->dev, &after);
+	err = read_count(obj, &packets);
+	if (err) {
+		fprintf(stderr, "xdpgen: cannot read the frame counter: %s\n", strerror(-err));
+		goto out;
+	}
+	print_totals(o, packets, seconds, len, &before, &after, cpu);
+out:
+	bpf_object__close(obj);
+	return err;
+}
+
+static int run(struct options *o)
+{
+	static uint8_t frame[FRAME_MAX];
+	int ifindex;
 	size_t len;
 
 	if (o->dump_frame && o->have_src_mac) {
@@ -549,35 +593,7 @@ static int run(struct options *o)
 		dump_frame(frame, len);
 		return 0;
 	}
-	err = o->obj ? 0 : default_object(path, sizeof(path));
-	if (err)
-		return err;
-	err = load_program(o->obj ? o->obj : path, ifindex, &obj);
-	if (err)
-		goto out;
-	read_xmit_counters(o->dev, &before);
-	cpu = cpu_seconds();
-	err = generate(o, bpf_program__fd(bpf_object__next_program(obj, NULL)), frame, len,
-		       &ran, &seconds);
-	cpu = cpu_seconds() - cpu;
-	if (err)
-		goto out;
-	read_xmit_counters(o->dev, &after);
-	err = read_count(obj, &packets);
-	if (err) {
-		fprintf(stderr, "xdpgen: cannot read the frame counter: %s\n", strerror(-err));
-		goto out;
-	}
-	xmit = counter_delta(before.xmit, after.xmit);
-	printf("{\"packets\": %llu, \"seconds\": %.6f, \"pps\": %.1f, \"frame_bytes\": %zu, "
-	       "\"batch\": %u, \"xdp_xmit\": %lld, \"xdp_xmit_errors\": %lld, \"not_sent\": %lld, "
-	       "\"cpu_seconds\": %.3f}\n",
-	       (unsigned long long)packets, seconds, seconds > 0 ? packets / seconds : 0.0, len,
-	       o->batch, xmit, counter_delta(before.errors, after.errors),
-	       xmit < 0 ? -1 : (long long)packets - xmit, cpu);
-out:
-	bpf_object__close(obj);
-	return err;
+	return send_frames(o, ifindex, frame, len);
 }
 
 int main(int argc, char **argv)
