@@ -1,12 +1,13 @@
 """The XDP eSwitch fast path against OVS's userspace datapath, in one run.
 
     .venv/bin/python -m tests.bench.bench_offload_datapath [--out FILE] [--duration S]
-        [--streams 1,2,4,8] [--flows 100000] [--senders 2] [--rounds 3] [--udp-mbps 100]
-        [--stream-rounds 3]
+        [--parts abc] [--streams 1,2,4,8] [--flows 100000] [--senders 2] [--rounds 3]
+        [--udp-mbps 100] [--stream-rounds 3]
 
-(a) packets/s, endpoint a1 -> a2 on host A, 64-byte frames from udpgen --raw
-    (one sender process per core: a single one is what runs out of CPU first):
-    plain OVS, eSwitch attached but the flow not offloaded (a miss), offloaded;
+(a) packets/s, endpoint a1 -> a2 on host A, 64-byte frames from xdpgen (in-kernel)
+    and udpgen --raw: plain OVS, eSwitch attached but the flow not offloaded (a
+    miss), offloaded (offload_pps.py; ``--parts a`` runs it alone, written to
+    docs/benchmarks/offload-pps.md);
 (b) N streams, sender endpoints on host B -> receiver endpoints on host A
     (through both br-ints, phy0 and the fabric), UDP (1472-byte datagrams,
     unpaced) and TCP (iperf3): aggregate throughput and host CPU, plain OVS vs
@@ -41,8 +42,8 @@ from flexmig.lab import endpoints, offload, topology, traffic
 from flexmig.lab.lab import Lab
 from ovs_ext.providers.base import FlowMatch, OffloadEntry
 from ovs_ext.providers.xdp.labctl import HostXdp
-from ovs_ext.providers.xdp.provider import BUILD_DIR, RX_PASS_OBJECT
-from tests.bench import host_cpu
+from tests.bench import host_cpu, offload_pps
+from tests.bench.offload_pps import Placement
 
 T = TypeVar("T")
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -51,15 +52,7 @@ OFFLOAD_PATH = "provider direct (XdpProvider, ovs_ext.providers.xdp.ctl in each 
 UDP_PAYLOAD = 1472
 TCP, UDP = 6, 17
 DEFAULT_OUT = Path("docs/benchmarks/offload-datapath.md")
-RX_SINK_OBJECT = BUILD_DIR / "rx_sink.bpf.o"
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """One direction of one flow on one host: what a NIC eSwitch would hold."""
-
-    host: str
-    entry: OffloadEntry
+PPS_OUT = Path("docs/benchmarks/offload-pps.md")  # part (a) alone
 
 
 APP_PATH = "flexmig-offload policy (header rules via SIGHUP, judged by the os-ken app)"
@@ -114,127 +107,6 @@ def onload_flows(lab: Lab, placements: list[Placement]) -> None:
         return
     for host in sorted({p.host for p in placements}):
         HostXdp(lab.host(host)).remove_batch([p.entry.match for p in placements if p.host == host])
-
-
-# -- (a) packet rate ----------------------------------------------------------------
-def _mac(ep: endpoints.Endpoint) -> str:
-    out = subprocess.run(
-        ["ip", "-n", ep.netns, "-j", "link", "show", endpoints.ENDPOINT_IF],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout
-    return json.loads(out)[0]["address"]
-
-
-class XdpSink:
-    """``rx_sink`` on an endpoint's eth0: counts and drops UDP to port 9000."""
-
-    def __init__(self, ep: endpoints.Endpoint) -> None:
-        self.ep = ep
-
-    def __enter__(self) -> XdpSink:
-        self._load(RX_SINK_OBJECT)
-        link = _ip_json(["-n", self.ep.netns, "link", "show", endpoints.ENDPOINT_IF])[0]
-        prog = _bpftool(["prog", "show", "id", str(link["xdp"]["prog"]["id"])])
-        self.map_id = prog["map_ids"][0]
-        return self
-
-    def count(self) -> int:
-        rows = _bpftool(["map", "lookup", "id", str(self.map_id), "key", "0", "0", "0", "0"])
-        return sum(_u64(v["value"]) for v in rows["values"])
-
-    def __exit__(self, *exc: object) -> None:
-        self._load(RX_PASS_OBJECT)
-
-    def _load(self, obj: Path) -> None:
-        subprocess.run(
-            ["ip", "-force", "-n", self.ep.netns, "link", "set", "dev", endpoints.ENDPOINT_IF,
-             "xdpdrv", "obj", str(obj), "sec", "xdp"],
-            check=True,
-            capture_output=True,
-        )  # fmt: skip
-
-
-def _u64(value: int | list[str]) -> int:
-    """bpftool prints a value as a number (with BTF) or as its bytes in hex."""
-    if isinstance(value, int):
-        return value
-    return int.from_bytes(bytes(int(b, 16) for b in value), "little")
-
-
-def _ip_json(args: list[str]) -> list[dict]:
-    out = subprocess.run(["ip", "-j", *args], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
-
-
-def _bpftool(args: list[str]) -> dict:
-    out = subprocess.run(["bpftool", "-j", *args], capture_output=True, text=True, check=True)
-    return json.loads(out.stdout)
-
-
-def packet_rate(
-    lab: Lab, src, dst, duration: float, mode: str, sink: str, senders: int
-) -> dict[str, float]:
-    """Unpaced 64-byte runs a1 -> a2 from ``senders`` processes (one flow each).
-
-    mode: plain | miss | offloaded; sink: socket | xdp.  One sender cannot
-    saturate the fast path here: it is the sender that runs out of CPU.
-    """
-    xdp = HostXdp(lab.host("A"))
-    ports = (src.port, dst.port)
-    matches = [FlowMatch(src.port, UDP, src.ip, dst.ip, 7000 + k, 9000) for k in range(senders)]
-    placements = [Placement("A", OffloadEntry(m, dst.port)) for m in matches]
-    if mode != "plain" and not Path_.via_app:
-        xdp.attach(*ports)
-    if mode == "offloaded":
-        offload_flows(lab, placements)
-    meter = host_cpu.CpuMeter(
-        [lab.host("A")],
-        host_cpu.napi_threads(lab.host("A").spec.netns, [src.port, dst.port]),
-        host_cpu.guest_threads([src, dst]),
-    )
-    try:
-        if sink == "xdp":
-            with XdpSink(dst) as counter:
-                with meter:
-                    sent = _raw_send(src, dst, duration, senders)
-                time.sleep(0.5)  # let queues drain into the counter
-                received = counter.count()
-        else:
-            receiver = traffic.Receiver(endpoints.exec_prefix(dst), 9000, duration=duration + 10)
-            with meter:
-                sent = _raw_send(src, dst, duration, senders)
-            received = receiver.result()["received_packets"]
-    finally:
-        if mode == "offloaded":
-            onload_flows(lab, placements)
-        if mode != "plain" and not Path_.via_app:
-            xdp.detach(*ports)
-    return {
-        "sent_pps": sent["pps"],
-        "received_pps": received / sent["seconds"],
-        "datapath_cpu_pct": meter.host_pct,
-        "guest_napi_pct": meter.guest_napi_pct,
-        "pps_per_core": received / sent["seconds"] / max(meter.host_pct / 100, 1e-9),
-        "loadavg": os.getloadavg()[0],
-        "napi_threads": len(meter.napi_pids),
-    }
-
-
-def _raw_send(src, dst, duration: float, senders: int) -> dict[str, float]:
-    """``senders`` concurrent udpgen --raw processes; their summed rate."""
-    procs = []
-    for k in range(senders):
-        cmd = [*endpoints.exec_prefix(src), str(traffic.UDPGEN), "send", "--raw", "eth0"]
-        cmd += ["--src", src.ip, "--dst", dst.ip, "--dst-mac", _mac(dst), "--port", "9000"]
-        cmd += ["--sport", str(7000 + k), "--duration", str(duration)]
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True))
-    results = [json.loads(p.communicate(timeout=duration + 30)[0]) for p in procs]
-    return {
-        "pps": sum(r["pps"] for r in results),
-        "seconds": max(r["seconds"] for r in results),
-    }
 
 
 # -- (b) streams --------------------------------------------------------------------
@@ -525,41 +397,30 @@ def setup_lab(streams: int) -> tuple[Lab, dict[str, endpoints.Endpoint]]:
 
 
 def packet_rates(lab: Lab, a1, a2, args: argparse.Namespace) -> dict[str, dict]:
-    """(a) in ``args.rounds`` interleaved rounds; per cell the median round, and all rounds.
-
-    Interleaving puts every path through the same stretches of the shared
-    machine's load; the median keeps one disturbed round from deciding.
-    """
-    samples: dict[str, list[dict]] = {}
-    for round_no in range(args.rounds):
-        for sink in ("xdp", "socket"):
-            for mode in ("plain", "miss", "offloaded"):
-                row = packet_rate(lab, a1, a2, args.duration, mode, sink, args.senders)
-                samples.setdefault(f"{sink}/{mode}", []).append(row)
-                print(f"(a) round {round_no} {sink}/{mode}: {row}", flush=True)
-    cells = {}
-    for cell, rows in samples.items():
-        median = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
-        cells[cell] = median | {"rounds_received_pps": [r["received_pps"] for r in rows]}
-    return cells
+    """(a): offload_pps.py, with this run's way of offloading flows."""
+    offloader = offload_pps.Offloader(offload_flows, onload_flows, Path_.via_app)
+    run = offload_pps.Run(lab, a1, a2, args.duration, args.senders, offloader)
+    return offload_pps.packet_rates(run, args.rounds)
 
 
 def measure(args: argparse.Namespace) -> dict:
     counts = [int(n) for n in args.streams.split(",")]
-    lab, eps = setup_lab(max(counts))
+    lab, eps = setup_lab(max(counts) if "b" in args.parts else 0)
     results: dict = {"pps": {}, "streams": [], "scale": {}}
     try:
-        results["pps"] = packet_rates(lab, eps["a1"], eps["a2"], args)
-        results["streams"] = stream_rows(lab, eps, counts, args)
-        results["scale"] = scale(lab, args.flows, eps["a1"], eps["a2"])
-        print(f"(c) {results['scale']}", flush=True)
+        if "a" in args.parts:
+            results["pps"] = packet_rates(lab, eps["a1"], eps["a2"], args)
+        if "b" in args.parts:
+            results["streams"] = stream_rows(lab, eps, counts, args)
+        if "c" in args.parts:
+            results["scale"] = scale(lab, args.flows, eps["a1"], eps["a2"])
+            print(f"(c) {results['scale']}", flush=True)
     finally:
         lab.down()
     return results
 
 
 def render(results: dict, args: argparse.Namespace, command: str) -> str:
-    pps = results["pps"]
     lines = [
         f"# Offload datapath: XDP eSwitch vs OVS userspace datapath ({datetime.date.today()})",
         "",
@@ -570,41 +431,13 @@ def render(results: dict, args: argparse.Namespace, command: str) -> str:
         "ratios within a table are the result. Offloads were installed through: "
         f"**{APP_PATH if Path_.via_app else OFFLOAD_PATH}**.",
         "",
-        "## (a) Packets/s, endpoint a1 -> a2 on host A (64-byte frames, "
-        f"{args.senders} udpgen --raw senders with a flow each, {args.duration:g} s, unpaced; "
-        f"median of {args.rounds} interleaved rounds)",
-        "",
-        "Received at the endpoint two ways: an XDP sink on its eth0 (counts and drops: what "
-        "the switch path delivers to the port) and a UDP socket (udpgen recv: what an "
-        "application gets, which adds the receiver's own cost to both paths).",
-        "",
-        "Datapath CPU = host A's ovs-vswitchd + the machine's softirq + the NAPI threads of "
-        "ports ep-a1 and ep-a2 (where the eSwitch runs), in % of one core; the endpoints' own "
-        "eth0 receive threads are the guests' and shown apart. Packets per core-second = "
-        "received pps / datapath CPU: the cost of the path itself, less sensitive to what "
-        "else the shared machine runs.",
-        "",
-        "| sink | path | offered pps | received pps (rounds) | vs plain OVS | datapath CPU % | "
-        "packets per core-second | vs plain OVS | guests' eth0 NAPI % | load avg |",
-        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for sink in ("xdp", "socket"):
-        base = pps[f"{sink}/plain"]["received_pps"] or 1
-        base_eff = pps[f"{sink}/plain"]["pps_per_core"] or 1
-        for mode, label in (
-            ("plain", "OVS userspace datapath (no eSwitch)"),
-            ("miss", "eSwitch attached, flow not offloaded (miss -> OVS)"),
-            ("offloaded", "offloaded (XDP redirect, OVS bypassed)"),
-        ):
-            row = pps[f"{sink}/{mode}"]
-            lines.append(
-                f"| {sink} | {label} | {row['sent_pps']:,.0f} | {row['received_pps']:,.0f} "
-                f"({', '.join(f'{x / 1000:.0f}k' for x in row['rounds_received_pps'])}) | "
-                f"{row['received_pps'] / base:.2f}x | {row['datapath_cpu_pct']:.0f} | "
-                f"{row['pps_per_core']:,.0f} | {row['pps_per_core'] / base_eff:.2f}x | "
-                f"{row['guest_napi_pct']:.0f} | {row['loadavg']:.1f} |"
-            )
-    lines += _stream_table(results["streams"], args) + _scale_table(results["scale"])
+    if results["pps"]:
+        lines += offload_pps.render_table(results["pps"], args)
+    if results["streams"]:
+        lines += _stream_table(results["streams"], args)
+    if results["scale"]:
+        lines += _scale_table(results["scale"])
     return "\n".join(lines) + "\n"
 
 
@@ -689,9 +522,23 @@ def _scale_table(s: dict) -> list[str]:
     ]
 
 
+def _parts(text: str) -> str:
+    if not text or set(text) - set("abc"):
+        raise argparse.ArgumentTypeError(f"{text!r}: give some of the letters a, b, c")
+    return "".join(sorted(set(text)))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--out", type=Path, help=f"default {DEFAULT_OUT}, or {PPS_OUT} for --parts a"
+    )
+    parser.add_argument(
+        "--parts",
+        default="abc",
+        type=_parts,
+        help="which parts to run: any of a (packets/s), b (streams), c (100k flows)",
+    )
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--streams", default="1,2,4,8")
     parser.add_argument("--flows", type=int, default=100_000)
@@ -702,7 +549,9 @@ def main() -> int:
         help="install offloads by calling the provider (default) or through "
         "flexmig-offload's policy",
     )
-    parser.add_argument("--senders", type=int, default=2, help="(a): udpgen processes, a flow each")
+    parser.add_argument(
+        "--senders", type=int, default=2, help="(a): udpgen --raw processes, a flow each"
+    )
     parser.add_argument("--rounds", type=int, default=3, help="(a): interleaved rounds, median")
     parser.add_argument("--udp-mbps", type=float, default=100, help="(b): udp-paced per stream")
     parser.add_argument(
@@ -716,6 +565,8 @@ def main() -> int:
         print(json.dumps(scale_inside(args.flows, args.in_port, args.out_port)))
         return 0
     traffic.check_built()
+    traffic.check_xdpgen_built()
+    args.out = args.out or (PPS_OUT if args.parts == "a" else DEFAULT_OUT)
     Path_.via_app = args.offload_path == "app"
     command = ".venv/bin/python -m tests.bench.bench_offload_datapath " + " ".join(sys.argv[1:])
     results = measure(args)

@@ -1,4 +1,5 @@
-"""Driving ``udpgen`` (the lab's UDP generator and sink) in namespaces.
+"""Driving ``udpgen`` (the lab's UDP generator and sink) and ``xdpgen`` (its
+in-kernel generator: XDP live frames) in namespaces.
 
 ``prefix`` is any command prefix that enters a namespace (an endpoint's
 ``ip netns exec``, a host's ``nsenter``).  Every wait is bounded.
@@ -6,6 +7,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import select
 import subprocess
@@ -96,3 +98,103 @@ def send(
             f"{proc.stderr.strip()}"
         )
     return json.loads(proc.stdout)
+
+
+# -- xdpgen: the in-kernel generator ---------------------------------------------------
+XDPGEN = Path(__file__).parent / "build" / "xdpgen"
+XDPGEN_OBJECT = XDPGEN.parent / "xdpgen.bpf.o"
+XDPGEN_START_TIMEOUT = 30.0  # loading the program, before the first frame
+
+
+def check_xdpgen_built() -> None:
+    for built in (XDPGEN, XDPGEN_OBJECT):
+        if not built.is_file():
+            raise exceptions.MissingPrerequisite(
+                what=str(built), hint="run tools/setup.sh (it builds xdpgen with libbpf)"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class XdpFlow:
+    """The one UDP flow xdpgen repeats: a1's MAC/IP -> a2's MAC/IP/port."""
+
+    src: str
+    dst: str
+    dst_mac: str
+    port: int
+    sport: int
+    size: int = 18  # UDP payload: 60-byte frames, 64 on the wire
+
+    def args(self) -> list[str]:
+        return [
+            "--src", self.src, "--dst", self.dst, "--dst-mac", self.dst_mac,
+            "--port", str(self.port), "--sport", str(self.sport), "--size", str(self.size),
+        ]  # fmt: skip
+
+
+def xdp_frame(flow: XdpFlow, src_mac: str) -> bytes:
+    """The template frame xdpgen would send (``--dump-frame``: no root, no device)."""
+    check_xdpgen_built()
+    proc = subprocess.run(
+        [str(XDPGEN), "--dump-frame", "--src-mac", src_mac, *flow.args()],
+        capture_output=True,
+        text=True,
+        timeout=XDPGEN_START_TIMEOUT,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise exceptions.InvalidInput(what="xdpgen flow", reason=proc.stderr.strip())
+    return bytes.fromhex(proc.stdout.strip())
+
+
+class XdpSender:
+    """A running ``xdpgen`` in ``prefix``'s namespace, sending ``flow`` out of ``dev``.
+
+    :meth:`result` waits for its JSON line: packets (frames generated), pps,
+    xdp_xmit / xdp_xmit_errors / not_sent (what the device took or refused)
+    and cpu_seconds (the generator's own CPU: it runs in its syscall).
+    """
+
+    def __init__(
+        self,
+        prefix: list[str],
+        dev: str,
+        flow: XdpFlow,
+        *,
+        count: int = 0,
+        duration: float = 0.0,
+        batch: int = 64,
+    ) -> None:
+        if bool(count) == bool(duration):
+            raise exceptions.InvalidInput(
+                what="xdpgen run", reason="give exactly one of count and duration"
+            )
+        check_xdpgen_built()
+        cmd = [*prefix, str(XDPGEN), "--dev", dev, *flow.args(), "--batch", str(batch)]
+        cmd += ["--count", str(count)] if count else ["--duration", str(duration)]
+        self.timeout = duration + XDPGEN_START_TIMEOUT + (count / 100_000 if count else 0)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result(self) -> dict[str, float]:
+        try:
+            out, err = self.proc.communicate(timeout=self.timeout)
+        except subprocess.TimeoutExpired as exc:
+            self.proc.kill()
+            self.proc.communicate()
+            raise exceptions.Timeout(seconds=self.timeout, what="xdpgen") from exc
+        if self.proc.returncode != 0:
+            raise exceptions.LabError(reason=f"xdpgen failed: {err.strip()}")
+        return json.loads(out)
+
+
+def xdp_send(
+    prefix: list[str],
+    dev: str,
+    flow: XdpFlow,
+    *,
+    count: int = 0,
+    duration: float = 0.0,
+    batch: int = 64,
+) -> dict[str, float]:
+    """Run xdpgen to completion (``count`` frames or ``duration`` s); returns its totals."""
+    return XdpSender(prefix, dev, flow, count=count, duration=duration, batch=batch).result()
