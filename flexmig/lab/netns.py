@@ -79,8 +79,8 @@ def _alive(pid: int) -> bool:
         with open(f"/proc/{pid}/stat", encoding="ascii") as f:
             # A zombie has released its namespaces; it only waits for its parent.
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False  # gone, or went between the open and the read (ESRCH)
 
 
 def holder_script(hostname: str, binds: dict[str, str], ready_file: str) -> str:

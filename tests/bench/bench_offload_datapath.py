@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from flexmig.lab import endpoints, offload, topology, traffic
+from flexmig.lab.host import LabHost
 from flexmig.lab.lab import Lab
 from ovs_ext.providers.base import FlowMatch, OffloadEntry
 from ovs_ext.providers.xdp.labctl import HostXdp
@@ -177,11 +178,18 @@ def run_tcp_streams(senders, receivers, duration: float) -> float:
 
 
 def stream_row(
-    lab: Lab, senders, receivers, proto: str, args: argparse.Namespace, offload: bool
+    lab: Lab,
+    senders,
+    receivers,
+    proto: str,
+    args: argparse.Namespace,
+    offload: bool,
+    tune_ports: Callable[[LabHost, list[str]], None] | None = None,
 ) -> dict:
     """One measurement: N streams, plain OVS or offloaded; eSwitch attached only for the latter.
 
     proto: ``udp`` (unpaced), ``udp-paced`` (``args.udp_mbps`` per stream), ``tcp``.
+    ``tune_ports(host, ports)`` runs after the eSwitch is attached (offloaded rows).
     """
     a, b = lab.host("A"), lab.host("B")
     xdp_a, xdp_b = HostXdp(a), HostXdp(b)
@@ -191,6 +199,9 @@ def stream_row(
         if not Path_.via_app:
             xdp_a.attach(*a_ports)
             xdp_b.attach(*b_ports)
+        if tune_ports is not None:
+            tune_ports(a, a_ports)
+            tune_ports(b, b_ports)
         offload_flows(lab, placements)
     try:
         port_threads = host_cpu.napi_threads(a.spec.netns, a_ports) + host_cpu.napi_threads(
