@@ -13,6 +13,9 @@ shellcheck tools/*.sh .ci/run devstack/plugin.sh devstack/settings tests/devstac
 echo "== tests"
 # A lab left by an interrupted earlier run would make the functional tests fail.
 $PY/flexmig lab down >/dev/null
+# Each lab fixture copies its hosts' logs (libvirtd, QEMU, agents) here before
+# tearing the lab down, so a failed run can still be diagnosed.
+export FLEXMIG_LAB_KEEP_LOGS="${FLEXMIG_LAB_KEEP_LOGS:-$ROOT/.cache/lab-logs}"
 if [ $# -gt 0 ]; then
   exec $PY/pytest "$@"
 fi
@@ -21,4 +24,7 @@ fi
 status=0
 $PY/pytest --ignore=tests/nova_functional || status=$?
 $PY/pytest tests/nova_functional || status=$?
+if [ "$status" -ne 0 ]; then
+  echo "== the labs' logs, as each test module left them: $FLEXMIG_LAB_KEEP_LOGS"
+fi
 exit "$status"

@@ -6,6 +6,7 @@ import json
 import os
 import secrets
 import shutil
+import time
 from pathlib import Path
 
 from agents.agent.client import AgentClient
@@ -113,6 +114,27 @@ class Lab:
                 "stray_namespaces": netns.list_netns(topology.NETNS_PREFIX),
             }
         return {"up": True, "dir": str(self.dir), "hosts": [h.status() for h in self.hosts()]}
+
+    def save_logs(self, dest: Path) -> Path | None:
+        """Copy the hosts' daemon logs (libvirtd, QEMU, agents, offload) under ``dest``.
+
+        Tear-down removes the lab's directory; test fixtures call this first
+        when FLEXMIG_LAB_KEEP_LOGS names a directory, so a failure in CI can
+        still be read afterwards.  Returns the copy's directory, or None if
+        the lab had no hosts.
+        """
+        hosts = self.dir / "hosts"
+        if not hosts.is_dir():
+            return None
+        target = dest / f"{self.dir.name}-{time.strftime('%Y%m%dT%H%M%S')}"
+        for host in sorted(p for p in hosts.iterdir() if p.is_dir()):
+            for log in [*host.glob("*.log"), host / "log-libvirt"]:
+                if log.is_dir():
+                    shutil.copytree(log, target / host.name / log.name, dirs_exist_ok=True)
+                elif log.exists():
+                    (target / host.name).mkdir(parents=True, exist_ok=True)
+                    shutil.copy2(log, target / host.name / log.name)
+        return target
 
     def down(self) -> None:
         """Remove everything the lab made, whatever state a failed ``up`` left."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -84,6 +85,13 @@ def _belongs_to(lab: Lab, pid: int, cmdline: str) -> bool:
     return inode not in others
 
 
+def keep_logs(the_lab: Lab) -> None:
+    """Before tear-down: the hosts' logs under FLEXMIG_LAB_KEEP_LOGS, if set."""
+    dest = os.environ.get("FLEXMIG_LAB_KEEP_LOGS")
+    if dest:
+        the_lab.save_logs(Path(dest))
+
+
 @pytest.fixture(scope="module")
 def lab():
     reason = lab_missing_reason()
@@ -93,5 +101,6 @@ def lab():
     the_lab.down()
     the_lab.up(2)
     yield the_lab
+    keep_logs(the_lab)
     the_lab.down()
     assert leftovers(the_lab) == []

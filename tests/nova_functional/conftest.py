@@ -22,7 +22,7 @@ except ImportError:  # Nova not installed: the test module skips and says so
 def nova_lab(request):
     """A fresh two-host lab for a Nova end-to-end class (its ``lab`` attribute)."""
     from flexmig.lab.lab import Lab
-    from tests.functional.conftest import lab_missing_reason
+    from tests.functional.conftest import keep_logs, lab_missing_reason
 
     reason = lab_missing_reason()
     if reason:
@@ -32,4 +32,5 @@ def nova_lab(request):
     lab.up(2)
     request.cls.lab = lab
     yield lab
+    keep_logs(lab)
     lab.down()
