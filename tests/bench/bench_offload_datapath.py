@@ -581,11 +581,16 @@ def main() -> int:
     Path_.via_app = args.offload_path == "app"
     command = ".venv/bin/python -m tests.bench.bench_offload_datapath " + " ".join(sys.argv[1:])
     results = measure(args)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(render(results, args, command.strip()))
-    args.out.with_suffix(".json").write_text(json.dumps(results, indent=1))
-    print(f"wrote {args.out}")
+    write_results(args.out, render(results, args, command.strip()), results)
     return 0
+
+
+def write_results(out: Path, table: str, results: object) -> None:
+    """The table (markdown) and beside it the raw results (same name, .json)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(table)
+    out.with_suffix(".json").write_text(json.dumps(results, indent=1))
+    print(f"wrote {out}")
 
 
 if __name__ == "__main__":

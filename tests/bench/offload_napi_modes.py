@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import statistics
 import subprocess
 import sys
@@ -136,9 +135,7 @@ def main() -> int:
     traffic.check_built()
     command = ".venv/bin/python -m tests.bench.offload_napi_modes " + " ".join(sys.argv[1:])
     rows = measure(args)
-    args.out.write_text(render(rows, args, command.strip()))
-    args.out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
-    print(f"wrote {args.out}")
+    datapath.write_results(args.out, render(rows, args, command.strip()), rows)
     return 0
 
 

@@ -20,6 +20,19 @@ UDPGEN = Path(__file__).parent / "build" / "udpgen"
 READY_TIMEOUT = 10.0
 
 
+def _json_result(proc: subprocess.Popen, timeout: float, what: str, name: str) -> dict:
+    """Wait (bounded) for a generator's exit and its one JSON line of totals."""
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired as exc:
+        proc.kill()
+        proc.communicate()
+        raise exceptions.Timeout(seconds=timeout, what=what) from exc
+    if proc.returncode != 0:
+        raise exceptions.LabError(reason=f"{name} failed: {err.strip()}")
+    return json.loads(out)
+
+
 def check_built() -> None:
     if not UDPGEN.is_file():
         raise exceptions.MissingPrerequisite(
@@ -57,14 +70,7 @@ class Receiver:
             raise exceptions.LabError(reason=f"udpgen receiver did not start: {line.strip()!r}")
 
     def result(self) -> dict[str, float]:
-        try:
-            out, err = self.proc.communicate(timeout=self.timeout)
-        except subprocess.TimeoutExpired as exc:
-            self.proc.kill()
-            raise exceptions.Timeout(seconds=self.timeout, what="udpgen receiver") from exc
-        if self.proc.returncode != 0:
-            raise exceptions.LabError(reason=f"udpgen recv failed: {err.strip()}")
-        return json.loads(out)
+        return _json_result(self.proc, self.timeout, "udpgen receiver", "udpgen recv")
 
 
 def send(
@@ -176,15 +182,7 @@ class XdpSender:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     def result(self) -> dict[str, float]:
-        try:
-            out, err = self.proc.communicate(timeout=self.timeout)
-        except subprocess.TimeoutExpired as exc:
-            self.proc.kill()
-            self.proc.communicate()
-            raise exceptions.Timeout(seconds=self.timeout, what="xdpgen") from exc
-        if self.proc.returncode != 0:
-            raise exceptions.LabError(reason=f"xdpgen failed: {err.strip()}")
-        return json.loads(out)
+        return _json_result(self.proc, self.timeout, "xdpgen", "xdpgen")
 
 
 def xdp_send(
