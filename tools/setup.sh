@@ -93,6 +93,7 @@ make -s -C agents/mover
 log "building the XDP eSwitch and the lab's packet generator"
 make -s -C ovs_ext/providers/xdp
 make -s -C flexmig/lab/traffic
+make -s -C tests/bench/bpf
 log "building the guest image"
 .venv/bin/flexmig lab image build >/dev/null
 log "ready"

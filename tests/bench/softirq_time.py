@@ -5,40 +5,34 @@ in this kernel), while a NAPI thread's CPU is its exact scheduler runtime. A
 path polled in softirq and one polled in threads are only comparable if both
 are timed exactly, so :class:`SoftirqClock` times the NET_TX / NET_RX handlers
 themselves with a BPF program on the ``irq:softirq_entry/exit`` tracepoints
-(``bpf/softirq_time.bpf.c``, compiled here on first use).
+(``bpf/softirq_time.bpf.c``, built by tools/setup.sh).
 """
 
 from __future__ import annotations
 
 import ctypes
-import subprocess
+import functools
 from pathlib import Path
 
+from flexmig import exceptions
 from ovs_ext.providers.xdp import libbpf
 
 SOURCE = Path(__file__).resolve().parent / "bpf" / "softirq_time.bpf.c"
 OBJECT = SOURCE.parent / "build" / "softirq_time.bpf.o"
 PROGRAMS = ("softirq_entry", "softirq_exit")
 SLOT_NET_NS, SLOT_OTHER_NS = 1, 2
-BPF_CFLAGS = ("clang", "-O2", "-g", "-target", "bpf", "-Wall", "-Werror")
 
 
-def build() -> Path:
-    """Compile the BPF object when it is missing or older than its source."""
-    if OBJECT.exists() and OBJECT.stat().st_mtime >= SOURCE.stat().st_mtime:
-        return OBJECT
-    OBJECT.parent.mkdir(exist_ok=True)
-    arch = subprocess.run(
-        ["gcc", "-dumpmachine"], capture_output=True, text=True, check=True
-    ).stdout.strip()
-    subprocess.run(
-        [*BPF_CFLAGS, f"-I/usr/include/{arch}", "-c", str(SOURCE), "-o", str(OBJECT)],
-        check=True,
-        timeout=120,
-    )
+def built_object() -> Path:
+    """The BPF object tools/setup.sh builds (tests/bench/bpf/Makefile)."""
+    if not OBJECT.is_file():
+        raise exceptions.MissingPrerequisite(
+            what=str(OBJECT), hint="run tools/setup.sh (it builds the benchmarks' BPF objects)"
+        )
     return OBJECT
 
 
+@functools.cache
 def _lib() -> ctypes.CDLL:
     lib = libbpf._lib()  # the provider's libbpf handle
     lib.bpf_program__attach.restype = ctypes.c_void_p
@@ -55,7 +49,7 @@ class SoftirqClock:
 
     def __enter__(self) -> SoftirqClock:
         lib = _lib()
-        path = str(build()).encode()
+        path = str(built_object()).encode()
         self._obj = lib.bpf_object__open_file(path, None)
         if not self._obj:
             raise libbpf.BpfError(call="bpf_object__open_file", reason=str(OBJECT))
