@@ -6,10 +6,14 @@ import argparse
 import json
 import sys
 import time
+from typing import Any
 
 from flexmig import exceptions, migrate_cli
 from flexmig.lab import endpoint_cli, image, vm
 from flexmig.lab.lab import Lab
+from flexmig.migration.request import MAX_PARALLEL
+from flexmig.policy.decision import REQUESTABLE_MODES
+from flexmig.policy.transport import TRANSPORTS
 from flexmig.progress import MigrationProgress
 
 DEMO_WORKLOAD = "dirtier:wss=128M,rate=5000,pattern=random"
@@ -168,25 +172,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _asked(args: argparse.Namespace) -> dict[str, Any]:
+    """The command line's part of a MigrationRequest."""
+    asked = {
+        "mode": args.mode,
+        "max_downtime_ms": args.max_downtime_ms,
+        "bandwidth_mib": args.bandwidth_mib,
+        "transport": args.transport,
+    }
+    if "parallel" in args:
+        asked["parallel"] = args.parallel
+    return asked
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
-    plan = migrate_cli.explain(
-        Lab(), args.vm, args.to, args.mode, args.max_downtime_ms, args.bandwidth_mib
-    )
+    plan = migrate_cli.explain(Lab(), args.vm, args.to, **_asked(args))
     print(plan["explanation"])
     return 0
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    result = migrate_cli.migrate(
-        Lab(),
-        args.vm,
-        args.to,
-        args.mode,
-        args.max_downtime_ms,
-        bandwidth_mib=args.bandwidth_mib,
-        transport=args.transport,
-        parallel=args.parallel,
-    )
+    result = migrate_cli.migrate(Lab(), args.vm, args.to, **_asked(args))
     if args.json:
         _print(result, True)
     else:
@@ -238,8 +244,10 @@ def _parallel_connections(text: str) -> int:
         value = int(text)
     except ValueError:
         value = 0
-    if not 1 <= value <= 8:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of connections in 1..8")
+    if not 1 <= value <= MAX_PARALLEL:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of connections in 1..{MAX_PARALLEL}"
+        )
     return value
 
 
@@ -251,7 +259,7 @@ def _add_migration_parsers(sub: argparse._SubParsersAction) -> None:  # type: ig
         p = sub.add_parser(name, help=text)
         p.add_argument("vm")
         p.add_argument("--to", required=True, help="destination host")
-        p.add_argument("--mode", default="auto", choices=("auto", "precopy", "postcopy", "split"))
+        p.add_argument("--mode", default="auto", choices=REQUESTABLE_MODES)
         p.add_argument("--max-downtime-ms", type=int, help="downtime budget (default: agent's)")
         p.add_argument(
             "--bandwidth-mib",
@@ -262,7 +270,7 @@ def _add_migration_parsers(sub: argparse._SubParsersAction) -> None:  # type: ig
         p.add_argument(
             "--transport",
             default="auto",
-            choices=("auto", "qemu-tcp", "mover"),
+            choices=TRANSPORTS,
             help="how the stream travels (auto: see flexmig explain)",
         )
         if name == "migrate":
@@ -272,7 +280,7 @@ def _add_migration_parsers(sub: argparse._SubParsersAction) -> None:  # type: ig
                 default=1,
                 metavar="N",
                 help="parallel connections (libvirt/QEMU multifd, precopy only), each its "
-                "own mover stream with --transport mover; 1..8, default 1",
+                f"own mover stream with --transport mover; 1..{MAX_PARALLEL}, default 1",
             )
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=func)

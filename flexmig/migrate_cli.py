@@ -5,105 +5,55 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from agents.agent.client import DEFAULT_PORT
 from flexmig import exceptions
 from flexmig.lab import topology
 from flexmig.lab import vm as lab_vm
 from flexmig.lab.lab import Lab
+from flexmig.migration.request import MigrationRequest
 from flexmig.progress import MigrationProgress
 
-AGENT_PORT = 9797
 POLL_S = 0.3
 MIGRATION_TIMEOUT_S = 1800.0
 
 
-def _request(
-    lab: Lab,
-    name: str,
-    to: str,
-    mode: str,
-    max_downtime_ms: int | None,
-    bandwidth_mib: int = 0,
-    transport: str = "auto",
-    parallel: int = 1,
-) -> tuple[str, dict[str, Any]]:
+def _request(lab: Lab, request: MigrationRequest, to: str) -> tuple[str, dict[str, Any]]:
+    name = request.vm
     source = lab_vm.LabVM(lab, name).locate()
     if source is None:
         raise exceptions.InvalidInput(what="VM", reason=f"{name!r} is not running in the lab")
     dest = topology.host_by_name(lab.specs, to)
     if dest.name == source:
         raise exceptions.InvalidInput(what="destination", reason=f"{name} already runs on {to}")
-    body: dict[str, Any] = {
-        "vm": name,
-        "mode": mode,
+    body = request.to_body() | {
         "dest": {
             "address": dest.mgmt_ip,
-            "port": AGENT_PORT,
+            "port": DEFAULT_PORT,
             "libvirt_uri": dest.libvirt_uri,
             "migration_uri": dest.migration_uri,
         },
     }
-    if max_downtime_ms is not None:
-        body["max_downtime_ms"] = max_downtime_ms
-    if bandwidth_mib:
-        body["bandwidth_mib"] = bandwidth_mib
-    if transport != "auto":
-        body["transport"] = transport
-    if parallel != 1:
-        body["parallel"] = parallel
     return source, body
 
 
-def explain(
-    lab: Lab,
-    name: str,
-    to: str,
-    mode: str = "auto",
-    max_downtime_ms: int | None = None,
-    bandwidth_mib: int = 0,
-) -> dict[str, Any]:
-    source, body = _request(lab, name, to, mode, max_downtime_ms, bandwidth_mib)
+def explain(lab: Lab, name: str, to: str, **asked: Any) -> dict[str, Any]:
+    """The source agent's plan for ``name`` (``asked``: MigrationRequest's fields)."""
+    source, body = _request(lab, MigrationRequest(vm=name, **asked), to)
     return lab.agent(source).post("/v1/plan", body)
 
 
-def start(
-    lab: Lab,
-    name: str,
-    to: str,
-    mode: str = "auto",
-    max_downtime_ms: int | None = None,
-    bandwidth_mib: int = 0,
-    transport: str = "auto",
-    store_writeback: bool = True,
-    parallel: int = 1,
-) -> tuple[str, Any, str]:
+def start(lab: Lab, name: str, to: str, **asked: Any) -> tuple[str, Any, str]:
     """Start a migration on the source agent: (source host, its agent, migration id)."""
-    source, body = _request(
-        lab, name, to, mode, max_downtime_ms, bandwidth_mib, transport, parallel
-    )
-    if not store_writeback:  # benchmarks compare with and without
-        body["store_writeback"] = False
+    source, body = _request(lab, MigrationRequest(vm=name, **asked), to)
     agent = lab.agent(source)
     return source, agent, agent.post("/v1/migrations", body)["id"]
 
 
-def migrate(
-    lab: Lab,
-    name: str,
-    to: str,
-    mode: str = "auto",
-    max_downtime_ms: int | None = None,
-    show: bool = True,
-    bandwidth_mib: int = 0,
-    transport: str = "auto",
-    store_writeback: bool = True,
-    parallel: int = 1,
-) -> dict[str, Any]:
+def migrate(lab: Lab, name: str, to: str, show: bool = True, **asked: Any) -> dict[str, Any]:
     """Run a FlexMig migration and measure it from inside the guest."""
     guest = lab_vm.LabVM(lab, name)
     start_ns = time.monotonic_ns()
-    source, agent, migration_id = start(
-        lab, name, to, mode, max_downtime_ms, bandwidth_mib, transport, store_writeback, parallel
-    )
+    source, agent, migration_id = start(lab, name, to, **asked)
     record = _follow(agent, migration_id, f"{name} {source}->{to.upper()}", show)
     result: dict[str, Any] = {
         "vm": name,

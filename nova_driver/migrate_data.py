@@ -3,13 +3,13 @@
 The destination's ``pre_live_migration`` returns its ``LibvirtLiveMigrateData``
 to the source over Nova's compute RPC.  ``FlexMigLiveMigrateData`` is that
 object plus one field, ``flexmig``: a JSON ``DestinationOffer`` (its agent's
-endpoint, a migration-scoped credential, its free memory and store, and the
-split reservation it made).  It is a registered versioned object of its own
-name, so Nova's RPC serializer carries it like any other, and a subclass, so
-every ``LibvirtLiveMigrateData`` check in Nova still holds.  Only computes
-running this driver ever see it: it is created in ``pre_live_migration`` and
-goes only from the destination compute to the source compute and back (for
-rollback); the conductor only ever sees Nova's own class.
+endpoint, a migration-scoped credential, its free memory and store, the
+split reservation it made and the receiving movers it started).  It is a
+registered versioned object of its own name, so Nova's RPC serializer
+carries it like any other, and a subclass, so every ``LibvirtLiveMigrateData``
+check in Nova still holds.  Only computes running this driver ever see it: it
+is created in ``pre_live_migration`` and goes only from the destination
+compute to the source compute and back (for rollback); the conductor only ever sees Nova's own class.
 """
 
 from __future__ import annotations
@@ -34,6 +34,9 @@ class DestinationOffer:
     free_for_vms_bytes: int
     store_free_bytes: int
     split_budget_bytes: int | None  # the resident budget reserved, or None
+    # The receiving movers it started ({"migration_id", "token", "ports"}), or
+    # None: the stream goes over QEMU's own TCP.
+    mover: dict[str, Any] | None = None
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)

@@ -20,7 +20,7 @@ from oslo_privsep import capabilities as caps
 from oslo_privsep import priv_context
 
 from flexmig import exceptions
-from flexmig.vm_facts import guest_ram_mapping
+from flexmig.migration.facts import guest_ram_mapping
 
 CGROUP_MEMORY = Path("/sys/fs/cgroup/memory")
 LIBVIRT_PID_DIR = Path("/run/libvirt/qemu")

@@ -9,6 +9,7 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from oslo_config import cfg
@@ -19,11 +20,13 @@ from agents.agent.client import AgentClient
 from agents.agent.migrations import Destination, MigrationService
 from agents.agent.split_store import ChunkFlusher, SplitStore
 from flexmig import exceptions
-from flexmig.policy.transport import TRANSPORTS
+from flexmig.migration import options as migration_options
+from flexmig.migration.request import MigrationRequest
 
 LOG = logging.getLogger("flexmig.agent")
 DEST_FIELDS = {"address": str, "port": int, "libvirt_uri": str, "migration_uri": str}
 MIGRATE_FIELDS = {"vm": str, "dest": dict}
+# Everything else a migrate/plan body holds is the engine's request (MigrationRequest).
 MIGRATE_OPTIONAL = {
     "mode": str,
     "max_downtime_ms": int,
@@ -33,7 +36,6 @@ MIGRATE_OPTIONAL = {
     "parallel": int,
 }
 MAX_PROBE_MIB = 256
-MAX_PARALLEL = 8  # libvirt's parallel connections (QEMU multifd channels)
 # An incoming migration's writeback ends when the source says so; this bounds
 # it should the source never say (its agent died).
 INCOMING_WRITEBACK_MAX_S = 3600.0
@@ -47,7 +49,7 @@ class Agent:
         self.store = SplitStore(
             conf.agent.state_dir, conf.agent.store_dir, conf.agent.cgroup_parent
         )
-        self.migrations = MigrationService(self.host, conf, config.sample_seconds(conf))
+        self.migrations = MigrationService(self.host, conf, migration_options.read(conf))
         self.flush_stops: dict[str, threading.Event] = {}
         self.flushers: dict[str, ChunkFlusher] = {}
         self.router = api.Router()
@@ -61,8 +63,12 @@ class Agent:
         r.add("POST", "/v1/incoming/writeback", self.incoming_writeback)
         r.add("POST", "/v1/plan", self.plan)
         r.add("POST", "/v1/mover/receive", self.mover_receive)
+        r.add("POST", "/v1/mover/send", self.mover_send)
         r.add("POST", "/v1/mover/finish", self.mover_finish)
+        # Movers started for callers that drive libvirt themselves (the Nova
+        # driver), by migration id; the agent's own migrations keep theirs.
         self.receivers: dict[str, movers.MoverSet] = {}
+        self.senders: dict[str, movers.MoverSet] = {}
         r.add("POST", "/v1/migrations", self.migrate)
         r.add("GET", r"/v1/migrations/(?P<id>[0-9a-f]+)", self.migration_status)
         r.add(
@@ -82,7 +88,7 @@ class Agent:
             self.conf.agent.memory_budget_mb,
             self.conf.agent.store_dir,
             {peer: dataclasses.asdict(link) for peer, link in self.migrations.links.items()},
-        )
+        ) | {"rdma_provider": self.migrations.rdma}
 
     def probe(self, body: dict[str, Any], m: re.Match[str]) -> tuple[int, bytes]:
         api.check_fields(body, {})
@@ -157,11 +163,34 @@ class Agent:
         self.receivers[mid] = receivers
         return 200, {"port": ports[0], "ports": ports}
 
+    def mover_send(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        """Sending movers towards a destination's receivers; QEMU is pointed at the
+        returned URI by whoever drives libvirt (the Nova driver)."""
+        api.check_fields(body, {"migration_id": str, "token": str, "peer": str, "ports": list})
+        mid, ports = body["migration_id"], body["ports"]
+        if not re.fullmatch(r"[0-9a-f]{6,32}", mid) or not 32 <= len(body["token"]) <= 63:
+            raise api.BadRequest(reason="migration_id must be hex, token 32..63 characters")
+        if not ports or not all(isinstance(p, int) and p in movers.PORT_RANGE for p in ports):
+            raise api.BadRequest(reason=f"ports must be in {movers.PORT_RANGE}")
+        if mid in self.senders:
+            raise api.BadRequest(reason=f"movers for {mid} are already sending")
+        self.senders[mid] = movers.start_senders(
+            self.conf.agent.state_dir,
+            self.conf.agent.listen_address,
+            body["peer"],
+            ports,
+            mid,
+            body["token"],
+        )
+        return 200, {"uri": "unix://" + movers.socket_path(self.conf.agent.state_dir, mid)}
+
     def mover_finish(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         api.check_fields(body, {"migration_id": str}, {"abort": bool})
-        mover = self.receivers.pop(body["migration_id"], None)
+        mid = body["migration_id"]
+        mover = self.receivers.pop(mid, None) or self.senders.pop(mid, None)
         if mover is None:
-            raise api.BadRequest(reason=f"no receiving mover for {body['migration_id']!r}")
+            raise exceptions.NotFound(what="mover of migration", name=mid)
+        Path(movers.socket_path(self.conf.agent.state_dir, mid)).unlink(missing_ok=True)
         if body.get("abort"):
             mover.kill()
             return 200, {"aborted": True}
@@ -189,16 +218,14 @@ class Agent:
             agent=client, libvirt_uri=body["libvirt_uri"], migration_uri=body["migration_uri"]
         )
 
-    def plan(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+    def _request(self, body: dict[str, Any]) -> tuple[MigrationRequest, Destination]:
         api.check_fields(body, MIGRATE_FIELDS, MIGRATE_OPTIONAL)
-        dest = self._destination(body["dest"])
-        decision = self.migrations.plan(
-            body["vm"],
-            dest,
-            body.get("mode", "auto"),
-            body.get("max_downtime_ms"),
-            body.get("bandwidth_mib", 0),
-        )
+        request = MigrationRequest.from_body({k: v for k, v in body.items() if k != "dest"})
+        return request, self._destination(body["dest"])
+
+    def plan(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        request, dest = self._request(body)
+        plan = self.migrations.plan(request, dest)
         link = self.migrations.link(dest)
         learned = (
             f"learned from earlier migrations: stream {link.stream_bps / 2**20:.0f} "
@@ -207,41 +234,20 @@ class Agent:
             else "no migration to this destination measured yet"
         )
         text = (
-            f"{decision.explain()}\n  fabric to {dest.agent.address}: probed "
+            f"{plan.explain()}\n  fabric to {dest.agent.address}: probed "
             f"{link.fabric_bps / 2**20:.0f} MiB/s; {learned}"
         )
-        return 200, {"mode": decision.mode, "transfer": decision.transfer, "explanation": text}
+        return 200, {
+            "mode": plan.mode,
+            "transfer": plan.decision.transfer,
+            "transport": plan.transport.transport,
+            "parallel": plan.parallel,
+            "explanation": text,
+        }
 
     def migrate(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
-        api.check_fields(body, MIGRATE_FIELDS, MIGRATE_OPTIONAL)
-        mode = body.get("mode", "auto")
-        if mode not in ("auto", "precopy", "postcopy", "split"):
-            raise api.BadRequest(reason=f"unknown mode {mode!r}")
-        bandwidth = body.get("bandwidth_mib", 0)
-        if not 0 <= bandwidth <= 1_000_000:
-            raise api.BadRequest(reason=f"bandwidth_mib {bandwidth} not in 0..1000000")
-        transport = body.get("transport", "auto")
-        if transport not in TRANSPORTS:
-            raise api.BadRequest(reason=f"unknown transport {transport!r}")
-        parallel = body.get("parallel", 1)
-        if not 1 <= parallel <= MAX_PARALLEL:
-            raise api.BadRequest(reason=f"parallel {parallel} not in 1..{MAX_PARALLEL}")
-        if parallel > 1 and mode != "precopy":
-            # QEMU 10.0 tells its main connection from a multifd channel by
-            # peeking at the first bytes only without postcopy-ram; with it, the
-            # first connection to arrive is taken as the main one, an order
-            # that independent mover pairs cannot promise.
-            raise api.BadRequest(reason="parallel connections need mode 'precopy'")
-        record = self.migrations.start(
-            body["vm"],
-            self._destination(body["dest"]),
-            mode,
-            body.get("max_downtime_ms"),
-            bandwidth,
-            transport,
-            body.get("store_writeback", True),
-            parallel,
-        )
+        request, dest = self._request(body)
+        record = self.migrations.start(request, dest)
         return 202, {"id": record.id}
 
     def migration_status(

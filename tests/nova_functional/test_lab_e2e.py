@@ -101,9 +101,8 @@ class TestNovaMovesRealGuest(
         self.flags(instances_path=self.useFixture(fixtures.TempDir()).path)
         self.flags(virt_type="qemu", file_backed_memory=16384, group="libvirt")
         self.flags(ram_allocation_ratio=1.0, reserved_host_memory_mb=0)
-        self.flags(
-            agent_key_file=str(self.lab.key_file), dirty_sample_seconds=[1, 2], group="flexmig"
-        )
+        self.flags(agent_key_file=str(self.lab.key_file), group="flexmig")
+        self.flags(dirty_sample_seconds=[1, 2], group="migration")
         self.useFixture(
             fixtures.MonkeyPatch(
                 "nova.virt.libvirt.driver.LibvirtDriver.spawn", _adopting_spawn(self)
@@ -224,7 +223,7 @@ class TestNovaMovesRealGuest(
     def test_hot_guest_goes_by_hybrid_postcopy(self) -> None:
         # Anonymous memory on both ends, and a 64 MiB/s stream (Nova's own cap).
         self.flags(file_backed_memory=0, live_migration_bandwidth=64, group="libvirt")
-        self.flags(stream_bandwidth_mib=64, group="flexmig")
+        self.flags(stream_bandwidth_mib=64, group="migration")
         _name, _migration, seen = self._boot_and_migrate(HOT)
         self.assertEqual(["flexmig_postcopy"], seen["events"])
 
