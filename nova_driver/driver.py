@@ -41,6 +41,7 @@ from oslo_log import log as logging
 from agents.agent import auth, movers
 from agents.agent.client import AgentClient
 from flexmig import exceptions
+from flexmig.migration import options as migration_options
 from flexmig.migration.planner import Plan
 from flexmig.policy.decision import split_budget
 from flexmig.policy.transport import choose_transport
@@ -93,7 +94,7 @@ class PlannedGuest:
 
 class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
     def __init__(self, virtapi: Any, read_only: bool = False) -> None:
-        self._flexmig_opts = flexmig_conf.validate(CONF)
+        flexmig_conf.validate(CONF)
         try:
             self._flexmig_key = auth.load_key(CONF.flexmig.agent_key_file)
         except exceptions.FlexMigError as exc:
@@ -184,7 +185,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         self, agent: AgentClient, facts: dict[str, Any], migration_id: str
     ) -> dict[str, Any] | None:
         """Receiving movers where the transport resolves to them; their offer entry."""
-        opts = self._flexmig_opts
+        opts = migration_options.read(CONF)
         choice = choose_transport(
             opts.transport, facts.get("rdma_provider") is True, opts.tcp_fabric_transport
         )
@@ -192,10 +193,16 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             return None
         mid, token = auth.mover_id(migration_id), movers.new_token()
         # QEMU's multifd opens the main connection and one per channel.
-        streams = opts.parallel_connections + 1 if opts.parallel_connections > 1 else 1
+        parallel = CONF.libvirt.live_migration_parallel_connections
+        streams = parallel + 1 if parallel > 1 else 1
         body = {"migration_id": mid, "token": token, "streams": streams}
-        ports = agent.post("/v1/mover/receive", body)["ports"]
-        return {"migration_id": mid, "token": token, "ports": ports}
+        reply = agent.post("/v1/mover/receive", body)
+        return {
+            "migration_id": mid,
+            "token": token,
+            "ports": reply["ports"],
+            "address": reply["address"],
+        }
 
     def rollback_live_migration_at_destination(
         self,
@@ -306,7 +313,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             CONF.host,
             offer,
             CONF,
-            self._flexmig_opts,
+            migration_options.read(CONF),
             self._local_agent(),
             _libvirt().libvirtError,
         )
@@ -321,7 +328,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         body = {
             "migration_id": offer.mover["migration_id"],
             "token": offer.mover["token"],
-            "peer": offer.agent_address,
+            "peer": offer.mover["address"],
             "ports": offer.mover["ports"][:streams],
         }
         return str(self._local_agent().post("/v1/mover/send", body)["uri"])
@@ -431,7 +438,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             self._host,
             plan,
             migrate_data.migration,
-            self._flexmig_opts.stall_timeout_s,
+            migration_options.read(CONF).stall_timeout_s,
             CONF.libvirt.live_migration_monitor_interval,
             self.active_migrations,
         )

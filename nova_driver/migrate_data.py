@@ -9,7 +9,8 @@ registered versioned object of its own name, so Nova's RPC serializer
 carries it like any other, and a subclass, so every ``LibvirtLiveMigrateData``
 check in Nova still holds.  Only computes running this driver ever see it: it
 is created in ``pre_live_migration`` and goes only from the destination
-compute to the source compute and back (for rollback); the conductor only ever sees Nova's own class.
+compute to the source compute and back (for rollback); the conductor only
+ever sees Nova's own class.
 """
 
 from __future__ import annotations

@@ -59,16 +59,18 @@ def destination_agent(offer: DestinationOffer, timeout: float) -> AgentClient:
 def request_for(
     dom: Any, offer: DestinationOffer, opts: EngineOptions, conf: Any
 ) -> MigrationRequest:
-    """What Nova asks of a migration: its bandwidth cap, the configured transport and
-    parallel connections (the mover only where the destination started receivers)."""
-    transport = opts.transport
-    if transport != "qemu-tcp" and offer.mover is None:
+    """What Nova asks of a migration: its own bandwidth cap and parallel connections
+    ([libvirt] live_migration_bandwidth, live_migration_parallel_connections),
+    the engine's transport.  The destination already resolved the transport (it
+    started receiving movers, or did not): the mover exactly where it did."""
+    transport = "mover" if offer.mover else opts.transport
+    if transport == "mover" and not offer.mover:
         transport = "qemu-tcp"
     return MigrationRequest(
         vm=dom.name(),
         bandwidth_mib=conf.libvirt.live_migration_bandwidth or 0,
         transport=transport,
-        parallel=opts.parallel_connections,
+        parallel=conf.libvirt.live_migration_parallel_connections,
     )
 
 

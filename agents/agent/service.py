@@ -161,7 +161,9 @@ class Agent:
             self.conf.agent.state_dir, self.conf.agent.listen_address, mid, token, streams
         )
         self.receivers[mid] = receivers
-        return 200, {"port": ports[0], "ports": ports}
+        # address: where the receivers listen, for a sender that knows this
+        # agent by another name (the Nova driver may reach it on a UNIX socket).
+        return 200, {"port": ports[0], "ports": ports, "address": self.conf.agent.listen_address}
 
     def mover_send(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         """Sending movers towards a destination's receivers; QEMU is pointed at the

@@ -13,7 +13,7 @@ import dataclasses
 from oslo_config import cfg, types
 
 from flexmig import exceptions
-from flexmig.migration.request import MAX_DOWNTIME_MS, MAX_PARALLEL
+from flexmig.migration.request import MAX_DOWNTIME_MS
 from flexmig.policy.decision import MODES
 from flexmig.policy.transport import TRANSPORTS
 
@@ -106,18 +106,10 @@ migration_opts = [
         default="auto",
         choices=list(TRANSPORTS),
         help="Transport of migrations started by Nova: qemu-tcp (QEMU's own "
-        "stream), mover (the agents' data movers) or auto (the mover where both "
-        "ends have RDMA, else tcp_fabric_transport). Agent API requests name "
-        "their own.",
-    ),
-    cfg.IntOpt(
-        "parallel_connections",
-        default=1,
-        min=1,
-        max=MAX_PARALLEL,
-        help="libvirt parallel connections (QEMU multifd channels) of migrations "
-        "started by Nova; used only when the plan moves pages by precopy "
-        "(postcopy cannot ride them). 1: a single stream.",
+        "stream), mover (the agents' data movers, one pair per connection of "
+        "Nova's [libvirt] live_migration_parallel_connections) or auto (the "
+        "mover where the fabric has RDMA, else tcp_fabric_transport). Agent API "
+        "requests name their own.",
     ),
 ]
 
@@ -148,7 +140,6 @@ class EngineOptions:
     recovery_timeout_s: float = 300.0
     tcp_fabric_transport: str = "qemu-tcp"
     transport: str = "auto"
-    parallel_connections: int = 1
 
 
 def read(conf: cfg.ConfigOpts) -> EngineOptions:
@@ -182,5 +173,4 @@ def read(conf: cfg.ConfigOpts) -> EngineOptions:
         recovery_timeout_s=values["recovery_timeout"],
         tcp_fabric_transport=values["tcp_fabric_transport"],
         transport=values["transport"],
-        parallel_connections=values["parallel_connections"],
     )

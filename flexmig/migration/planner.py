@@ -18,7 +18,7 @@ from flexmig.migration.facts import PAGE, GuestMemory, VmFacts
 from flexmig.migration.options import EngineOptions
 from flexmig.migration.request import MigrationRequest
 from flexmig.policy import dirty_model
-from flexmig.policy.decision import Decision, MigrationInputs, decide
+from flexmig.policy.decision import Decision, MigrationInputs, decide, split_budget
 from flexmig.policy.transport import TransportChoice, choose_transport
 
 MIB = 2**20
@@ -138,6 +138,7 @@ def blockers(
 ) -> tuple[str | None, str | None]:
     """(postcopy blocker, split blocker) from the VM, the destination and the options."""
     postcopy = postcopy_blocker(vm.memory)
+    needs_split = split_budget(vm.memory.ram_bytes, dest.free_for_vms_bytes) is not None
     if postcopy is None and "postcopy" not in opts.allowed_modes:
         postcopy = "postcopy is not in [migration] allowed_modes"
     if postcopy is None and vm.paused:
@@ -145,7 +146,9 @@ def blockers(
     split = None
     if "split" not in opts.allowed_modes:
         split = "split is not in [migration] allowed_modes"
-    elif dest.split_reserved is False:
+    elif dest.split_reserved is False and needs_split:
+        # Reserved only where the VM does not fit (the Nova destination decides
+        # that before the plan): where it fits, the missing reservation says nothing.
         split = "the destination reserved no split budget"
     return postcopy, split
 

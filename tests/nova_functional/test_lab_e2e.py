@@ -238,3 +238,20 @@ class TestNovaMovesRealGuest(
         self.assertLessEqual(int((group / "memory.max_usage_in_bytes").read_text()), limit)
         # 300 MiB of verified working set lives on a host capped below it.
         self.assertGreater(seen["verify"]["pages"] * 4096, limit)
+
+    def test_guest_goes_over_the_movers_with_parallel_connections(self) -> None:
+        """The Nova path over the ``mover`` transport: the destination's agent starts
+        receiving movers in pre_live_migration, the source's agent the sending ones,
+        QEMU migrates over ``unix://`` through them, one pair per connection."""
+        self.flags(transport="mover", group="migration")
+        self.flags(live_migration_parallel_connections=2, group="libvirt")
+        _name, _migration, seen = self._boot_and_migrate(MODERATE)
+        self.assertEqual(["flexmig_precopy"], seen["events"])
+        log = self.stdlog.logger.output
+        for side in ("source", "destination"):
+            moved = re.search(rf"{side} movers moved (\d+) bytes in (\d+) stream", log)
+            self.assertIsNotNone(moved, f"the {side}'s movers never reported:\n{log[-3000:]}")
+            # QEMU's main connection and its two multifd channels, each its own pair
+            self.assertEqual(3, int(moved.group(2)))
+            # at least the guest's 64 MiB working set went through them
+            self.assertGreater(int(moved.group(1)), 64 * MIB)

@@ -79,7 +79,7 @@ def test_defaults_are_one_set(tmp_path):
     [
         ("dirty_sample_seconds = 2,2", "dirty_sample_seconds"),
         ("allowed_modes =", "allowed_modes"),
-        ("parallel_connections = 9", "parallel_connections"),
+        ("stall_timeout = 0", "stall_timeout"),
         ("transport = fast", "transport"),
     ],
 )
@@ -201,7 +201,8 @@ def test_flags_are_the_plans_and_nova_keeps_its_own():
     hot = make_plan(hot=True, file_backed=False)
     assert hot.mode_flags(libvirt) == libvirt.VIR_MIGRATE_POSTCOPY
     nova = libvirt.VIR_MIGRATE_LIVE | libvirt.VIR_MIGRATE_AUTO_CONVERGE
-    assert hot.merged_flags(nova, libvirt) == libvirt.VIR_MIGRATE_LIVE | libvirt.VIR_MIGRATE_POSTCOPY
+    merged = hot.merged_flags(nova, libvirt)
+    assert merged == libvirt.VIR_MIGRATE_LIVE | libvirt.VIR_MIGRATE_POSTCOPY
     parallel = make_plan(parallel=2)
     assert parallel.mode_flags(libvirt) == libvirt.VIR_MIGRATE_PARALLEL
 

@@ -221,7 +221,7 @@ class _NoMigrations:
 def test_the_agent_refuses_bad_parallel_requests(extra, reason):
     from types import SimpleNamespace
 
-    from agents.agent import api, service
+    from agents.agent import service
 
     agent = SimpleNamespace(migrations=_NoMigrations(), _destination=lambda dest: dest)
     body = {"vm": "vm0", "dest": {}, **extra}

@@ -73,5 +73,6 @@ def test_a_bad_value_fails_naming_the_option(
     with pytest.raises(flexmig_conf.InvalidConfig) as err:
         flexmig_conf.validate(conf)
     # The engine's options, set under their old [flexmig] names, name their new group.
-    group = "flexmig" if option in ("agent_port", "agent_timeout", "credential_ttl") else "migration"
+    nova_own = ("agent_port", "agent_timeout", "credential_ttl")
+    group = "flexmig" if option in nova_own else "migration"
     assert f"[{group}] {option}" in str(err.value)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 
 pytest.importorskip("nova", reason="Nova is not installed (tools/setup.sh installs it)")
