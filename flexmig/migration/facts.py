@@ -191,7 +191,8 @@ def read_vm(
     with hypervisor.wrap_errors(host, f"read {dom.name()}'s state"):
         if not dom.isActive():
             raise exceptions.InvalidInput(what="VM", reason=f"{dom.name()!r} is not running")
-        paused = dom.state()[0] == libvirt.VIR_DOMAIN_PAUSED
+        # info()'s first field is the state (Nova's fakelibvirt has no state()).
+        paused = dom.info()[0] == libvirt.VIR_DOMAIN_PAUSED
     memory = read_memory(dom, host, ram_mapping, memory_dir_fs)
     samples = sample_dirty_pages(conn, dom, host, sample_seconds)
     return VmFacts(name=dom.name(), memory=memory, dirty_samples=samples, paused=paused)

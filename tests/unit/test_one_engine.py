@@ -67,8 +67,8 @@ class FakeDomain:
     def isActive(self) -> bool:
         return True
 
-    def state(self) -> list[int]:
-        return [1, 1]  # running
+    def info(self) -> list[int]:
+        return [1, self.guest.ram_mib * 1024, self.guest.ram_mib * 1024, 1, 0]  # running
 
     def startDirtyRateCalc(self, seconds: int, flags: int) -> None:
         self.period = seconds
