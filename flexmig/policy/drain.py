@@ -162,6 +162,11 @@ def place(
 ) -> tuple[list[Placement], dict[str, str]]:
     """Destinations for every VM that can go somewhere; the others with the reason.
 
+    Two greedy orders are tried, largest VM first and smallest first (which
+    keeps small VMs whole and splits a big one when the big one whole would
+    leave them nowhere); the one leaving fewer VMs behind, then fewer split,
+    wins.
+
     >>> vm = lambda n, mib, fb=True: DrainVM(n, mib * MIB, mib * MIB, DirtyModel(0, 1), fb)
     >>> hosts = [Candidate("B", 1000 * MIB, 4096 * MIB), Candidate("C", 700 * MIB, 0)]
     >>> placed, refused = place([vm("a", 256), vm("b", 256), vm("big", 900)], hosts)
@@ -172,12 +177,22 @@ def place(
     needs 1060 MiB whole (RAM + QEMU), the most any destination has is 1000 MiB
     split: its memory is not file-backed, so split cannot place it
     """
+    tries = [
+        _place_in_order(sorted(vms, key=lambda v: (sign * v.ram_bytes, v.name)), candidates)
+        for sign in (-1, 1)
+    ]
+    return min(tries, key=lambda t: (len(t[1]), sum(p.split for p in t[0])))
+
+
+def _place_in_order(
+    vms: Sequence[DrainVM], candidates: Sequence[Candidate]
+) -> tuple[list[Placement], dict[str, str]]:
     usable = [c for c in candidates if c.refusal is None]
     free = {c.name: c.free_for_vms_bytes for c in usable}
     store = {c.name: c.store_free_bytes for c in usable}
     placed: list[Placement] = []
     deferred: list[DrainVM] = []
-    for vm in sorted(vms, key=lambda v: (-v.ram_bytes, v.name)):
+    for vm in vms:
         need = vm.ram_bytes + QEMU_OVERHEAD_BYTES
         fits = [c.name for c in usable if free[c.name] >= need]
         if not fits:
@@ -246,9 +261,7 @@ def _mode_at_share(
     converges = decision.transfer == "postcopy" or decision.prediction.converged
     if converges or streams == 1:
         why = (
-            decision.reasons[-1]
-            if streams == 1
-            else f"{decision.reasons[-1]} at a 1/{streams} share"
+            decision.reasons[2] if streams == 1 else f"{decision.reasons[2]} at a 1/{streams} share"
         )
         return decision, False, shared, why
     alone = decide(_inputs(vm, free, store, fabric, fabric.share(1)))
@@ -257,11 +270,11 @@ def _mode_at_share(
             alone,
             True,
             fabric.share(1),
-            f"precopy converges only with the link to itself ({alone.reasons[-1]}); "
+            f"precopy converges only with the link to itself ({alone.reasons[2]}); "
             f"at a 1/{streams} share it would not, and postcopy is out "
             f"({vm.postcopy_blocker or 'not allowed'})",
         )
-    return decision, False, shared, decision.reasons[-1]
+    return decision, False, shared, decision.reasons[2]
 
 
 def _works(
