@@ -6,7 +6,8 @@ from what FlexMig knows per VM (its fitted dirty model, RAM, backing) and per
 destination (RAM it offers VMs, store space):
 
 1. placement — largest VM first onto the destination with the most RAM left
-   (whole: RAM plus QEMU's own); a VM no destination holds whole is split
+   (whole: RAM plus QEMU's own free, as the agent checks; a landed VM then
+   takes its RAM off what the host offers); a VM no destination holds whole is split
    onto the one with the most RAM left after the whole VMs, and waits for
    them; a VM that fits nowhere is reported before anything moves;
 2. modes at a share — with c streams at once each gets ``link / c`` (capped
@@ -171,7 +172,7 @@ def place(
     >>> hosts = [Candidate("B", 1000 * MIB, 4096 * MIB), Candidate("C", 700 * MIB, 0)]
     >>> placed, refused = place([vm("a", 256), vm("b", 256), vm("big", 900)], hosts)
     >>> [(p.vm, p.dest, p.split, p.waits_for) for p in placed]
-    [('a', 'B', False, ()), ('b', 'C', False, ()), ('big', 'B', True, ('a',))]
+    [('a', 'B', False, ()), ('b', 'B', False, ()), ('big', 'B', True, ('a', 'b'))]
     >>> for part in place([vm("huge", 900, fb=False)], hosts)[1]["huge"].split("; "):
     ...     print(part)
     needs 1060 MiB whole (RAM + QEMU), the most any destination has is 1000 MiB
@@ -200,7 +201,9 @@ def _place_in_order(
             continue
         dest = max(fits, key=lambda name: free[name])
         placed.append(Placement(vm.name, dest, split=False, free_bytes=free[dest]))
-        free[dest] -= need
+        # The agents' accounting: a landed VM takes its RAM from what the host
+        # offers; QEMU's own memory is asked of the incoming VM only.
+        free[dest] -= vm.ram_bytes
     refused: dict[str, str] = {}
     for vm in deferred:
         dest, why = _split_destination(vm, usable, free, store)
@@ -376,7 +379,7 @@ def without(candidates: Iterable[Candidate], moves: Iterable[Move]) -> list[Cand
     for move in moves:
         split = move.mode == "split"
         taken[move.dest] = taken.get(move.dest, 0) + (
-            move.decision.ram_bytes + QEMU_OVERHEAD_BYTES if not split else 1 << 62
+            move.decision.ram_bytes if not split else 1 << 62
         )
         if split:
             stored[move.dest] = stored.get(move.dest, 0) + move.decision.ram_bytes
