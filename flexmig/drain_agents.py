@@ -51,7 +51,7 @@ class Inputs:
     unreadable: dict[str, str]  # VMs the source could not describe, with why
 
 
-def _vm(entry: dict[str, Any], max_downtime_ms: int) -> drain.DrainVM:
+def vm_from_inventory(entry: dict[str, Any], max_downtime_ms: int) -> drain.DrainVM:
     dirty = entry["dirty"]
     return drain.DrainVM(
         name=entry["name"],
@@ -64,7 +64,7 @@ def _vm(entry: dict[str, Any], max_downtime_ms: int) -> drain.DrainVM:
     )
 
 
-def _candidate(host: HostEndpoint) -> drain.Candidate:
+def candidate_from_agent(host: HostEndpoint) -> drain.Candidate:
     try:
         facts = host.agent.get("/v1/facts")
         return drain.Candidate(
@@ -112,7 +112,7 @@ def gather(
     link_mib: int = 0,
 ) -> Inputs:
     """Everything the planner needs, read from the agents."""
-    reachable = [(d, _candidate(d)) for d in destinations]
+    reachable = [(d, candidate_from_agent(d)) for d in destinations]
     probe = [{"address": d.address, "port": d.port} for d, c in reachable if c.refusal is None]
     inventory = source.agent.post("/v1/inventory", {"probe": probe}, timeout=120.0)
     downtime = max_downtime_ms or int(inventory["max_downtime_ms"])
@@ -121,7 +121,7 @@ def gather(
         if "error" in entry:
             unreadable[entry["name"]] = f"the source could not describe it: {entry['error']}"
         else:
-            vms.append(_vm(entry, downtime))
+            vms.append(vm_from_inventory(entry, downtime))
     return Inputs(
         vms=vms,
         candidates=[c for _, c in reachable],
