@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from agents.agent import movers, privileged
+from agents.agent import inventory, movers, privileged
 from agents.agent.client import AgentClient
 from flexmig import exceptions, hypervisor
 from flexmig.migration import facts, planner
@@ -121,6 +121,8 @@ class MigrationService:
         # Reads QEMU's map of guest RAM; the privileged daemon's by default.
         self.ram_mapping: facts.RamMappingReader = privileged.qemu_ram_mapping
         self.rdma = movers.rdma_provider_present()
+        # Samples a drain's inventory just took: its migrations decide on them.
+        self.samples = inventory.SampleCache()
 
     def _load_links(self) -> dict[str, LinkEstimate]:
         """What earlier runs of this agent learned about each destination."""
@@ -144,7 +146,12 @@ class MigrationService:
             if dom is None:
                 raise exceptions.InvalidInput(what="VM", reason=f"{request.vm!r} is not here")
             vm = facts.read_vm(
-                conn, dom, self.host, self.options.dirty_sample_seconds, self.ram_mapping
+                conn,
+                dom,
+                self.host,
+                self.options.dirty_sample_seconds,
+                self.ram_mapping,
+                samples=self.samples.take(request.vm),
             )
         link = self.link(dest)
         dest_facts = dest.agent.get("/v1/facts")

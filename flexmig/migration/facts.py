@@ -186,13 +186,16 @@ def read_vm(
     sample_seconds: tuple[int, ...],
     ram_mapping: RamMappingReader | None = None,
     memory_dir_fs: str | None = None,
+    samples: tuple[tuple[float, float], ...] | None = None,
 ) -> VmFacts:
-    """Everything the planner needs about a running VM (takes the samples' time)."""
+    """Everything the planner needs about a running VM (takes the samples' time,
+    unless fresh ``samples`` are at hand: a drain's inventory just took them)."""
     with hypervisor.wrap_errors(host, f"read {dom.name()}'s state"):
         if not dom.isActive():
             raise exceptions.InvalidInput(what="VM", reason=f"{dom.name()!r} is not running")
         # info()'s first field is the state (Nova's fakelibvirt has no state()).
         paused = dom.info()[0] == libvirt.VIR_DOMAIN_PAUSED
     memory = read_memory(dom, host, ram_mapping, memory_dir_fs)
-    samples = sample_dirty_pages(conn, dom, host, sample_seconds)
+    if not samples:
+        samples = sample_dirty_pages(conn, dom, host, sample_seconds)
     return VmFacts(name=dom.name(), memory=memory, dirty_samples=samples, paused=paused)
