@@ -55,7 +55,7 @@ install_debian_packages() {
 install_python() {
   local stamp=.venv/.installed
   local want
-  want=$(cat setup.cfg constraints.txt | sha256sum | cut -c1-16)
+  want=$(cat setup.cfg constraints.txt tests/rig/pyproject.toml | sha256sum | cut -c1-16)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return
   fi
@@ -63,6 +63,8 @@ install_python() {
   python3 -m venv .venv
   .venv/bin/pip install -q -U pip setuptools wheel
   .venv/bin/pip install -q -c constraints.txt -e ".[test,nova]"
+  # The lab (tests/rig): a test rig beside the product, never inside it.
+  .venv/bin/pip install -q -c constraints.txt --no-build-isolation -e tests/rig
   echo "$want" > "$stamp"
 }
 
@@ -92,8 +94,8 @@ log "building the data mover"
 make -s -C agents/mover
 log "building the XDP eSwitch and the lab's packet generator"
 make -s -C ovs_ext/providers/xdp
-make -s -C flexmig/lab/traffic
+make -s -C tests/rig/flexmig_lab/traffic
 make -s -C tests/bench/bpf
 log "building the guest image"
-.venv/bin/flexmig lab image build >/dev/null
+.venv/bin/flexmig-lab image build >/dev/null
 log "ready"
