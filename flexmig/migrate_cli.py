@@ -29,6 +29,9 @@ class GuestProbe(Protocol):
 
 
 class Inventory(Protocol):
+    def host_names(self) -> list[str]:
+        """Every host the inventory knows (a drain's candidate destinations)."""
+
     def vm_host(self, vm: str) -> str | None:
         """The host the VM runs on, or None."""
 

@@ -105,7 +105,10 @@ class Lab:
         """A client for a host's agent, over its UNIX socket."""
         return AgentClient(str(self.host(name).agent_socket), 0, self.key(), timeout=60)
 
-    # -- the inventory ``flexmig explain``/``migrate`` use (flexmig.migrate_cli) --
+    # -- the inventory ``flexmig explain``/``migrate``/``drain`` use (flexmig.migrate_cli) --
+    def host_names(self) -> list[str]:
+        return [spec.name for spec in self.specs]
+
     def vm_host(self, vm: str) -> str | None:
         from flexmig_lab.vm import LabVM  # vm builds on Lab
 
