@@ -1,15 +1,17 @@
-"""``flexmig explain`` and ``flexmig migrate``: the policy and modes on lab VMs."""
+"""``flexmig explain`` and ``flexmig migrate`` over an inventory.
+
+An inventory says where a VM runs, how to reach a host's agent and how a
+destination is addressed; it may also offer a probe inside the guest
+(heartbeats, page verification) to measure a migration from the guest's side.
+The lab's rig is one inventory (entry point group ``flexmig.inventories``).
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
-from agents.agent.client import DEFAULT_PORT
 from flexmig import exceptions
-from flexmig.lab import topology
-from flexmig.lab import vm as lab_vm
-from flexmig.lab.lab import Lab
 from flexmig.migration.request import MigrationRequest
 from flexmig.progress import MigrationProgress
 
@@ -17,41 +19,65 @@ POLL_S = 0.3
 MIGRATION_TIMEOUT_S = 1800.0
 
 
-def _request(lab: Lab, request: MigrationRequest, to: str) -> tuple[str, dict[str, Any]]:
-    name = request.vm
-    source = lab_vm.LabVM(lab, name).locate()
+class GuestProbe(Protocol):
+    """Measurements from inside a guest: heartbeats and page verification."""
+
+    def wait_heartbeat(self, host: str) -> Any: ...
+
+    def heartbeat(self, since_ns: int = 0) -> Any: ...
+
+    def verify(self) -> dict[str, Any]: ...
+
+
+class Inventory(Protocol):
+    def host_names(self) -> list[str]:
+        """Every host the inventory knows (a drain's candidate destinations)."""
+
+    def vm_host(self, vm: str) -> str | None:
+        """The host the VM runs on, or None."""
+
+    def agent(self, host: str) -> Any:
+        """A client of that host's agent (``get``/``post``)."""
+
+    def destination(self, to: str) -> tuple[str, dict[str, Any]]:
+        """(host name, the request's ``dest``: address, port, libvirt and migration URIs)."""
+
+    def guest(self, vm: str) -> GuestProbe | None:
+        """A probe inside the VM, if the inventory has one."""
+
+
+def _request(lab: Inventory, request: MigrationRequest, to: str) -> tuple[str, dict[str, Any]]:
+    source = lab.vm_host(request.vm)
     if source is None:
-        raise exceptions.InvalidInput(what="VM", reason=f"{name!r} is not running in the lab")
-    dest = topology.host_by_name(lab.specs, to)
-    if dest.name == source:
-        raise exceptions.InvalidInput(what="destination", reason=f"{name} already runs on {to}")
-    body = request.to_body() | {
-        "dest": {
-            "address": dest.mgmt_ip,
-            "port": DEFAULT_PORT,
-            "libvirt_uri": dest.libvirt_uri,
-            "migration_uri": dest.migration_uri,
-        },
-    }
-    return source, body
+        raise exceptions.InvalidInput(what="VM", reason=f"{request.vm!r} is not running")
+    dest_name, dest = lab.destination(to)
+    if dest_name == source:
+        raise exceptions.InvalidInput(
+            what="destination", reason=f"{request.vm} already runs on {to}"
+        )
+    return source, request.to_body() | {"dest": dest}
 
 
-def explain(lab: Lab, name: str, to: str, **asked: Any) -> dict[str, Any]:
+def explain(lab: Inventory, name: str, to: str, **asked: Any) -> dict[str, Any]:
     """The source agent's plan for ``name`` (``asked``: MigrationRequest's fields)."""
     source, body = _request(lab, MigrationRequest(vm=name, **asked), to)
     return lab.agent(source).post("/v1/plan", body)
 
 
-def start(lab: Lab, name: str, to: str, **asked: Any) -> tuple[str, Any, str]:
+def start(lab: Inventory, name: str, to: str, **asked: Any) -> tuple[str, Any, str]:
     """Start a migration on the source agent: (source host, its agent, migration id)."""
     source, body = _request(lab, MigrationRequest(vm=name, **asked), to)
     agent = lab.agent(source)
     return source, agent, agent.post("/v1/migrations", body)["id"]
 
 
-def migrate(lab: Lab, name: str, to: str, show: bool = True, **asked: Any) -> dict[str, Any]:
-    """Run a FlexMig migration and measure it from inside the guest."""
-    guest = lab_vm.LabVM(lab, name)
+def migrate(lab: Inventory, name: str, to: str, show: bool = True, **asked: Any) -> dict[str, Any]:
+    """Run a FlexMig migration; measure it from inside the guest if the inventory can.
+
+    ``asked``: MigrationRequest's fields (mode, max_downtime_ms, bandwidth_mib,
+    transport, parallel, store_writeback), validated before anything is sent.
+    """
+    guest = lab.guest(name)
     start_ns = time.monotonic_ns()
     source, agent, migration_id = start(lab, name, to, **asked)
     record = _follow(agent, migration_id, f"{name} {source}->{to.upper()}", show)
@@ -65,9 +91,9 @@ def migrate(lab: Lab, name: str, to: str, show: bool = True, **asked: Any) -> di
         "explanation": record["explanation"],
         "events": [text for _ts, text in record["events"]],
     }
-    landed = guest.locate()
+    landed = lab.vm_host(name)
     result["running_on"] = landed
-    if landed is not None:
+    if landed is not None and guest is not None:
         guest.wait_heartbeat(host=landed)
         beats = guest.heartbeat(since_ns=start_ns)
         result["guest_observed_downtime_ms"] = round(beats.longest_gap_ms, 1)
