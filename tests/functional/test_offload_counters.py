@@ -16,7 +16,8 @@ import time
 
 import pytest
 
-from flexmig.lab import commands, endpoints, offload, traffic
+from flexmig import processutil
+from flexmig_lab import endpoints, offload, traffic
 from ovs_ext.providers.xdp import provider as xdp_provider
 
 pytestmark = pytest.mark.lab
@@ -55,7 +56,7 @@ def clab(lab):
     eps = {name: endpoints.add(lab, "A", name) for name in ("s1", "s2", "r1")}
     wait_status(service, lambda s: {"ep-s1", "ep-s2", "ep-r1"} <= set(s["ports"]))
     for sender in ("s1", "s2"):  # ARP through OVS: the app learns where each MAC is
-        ping = commands.run(
+        ping = processutil.run(
             [*endpoints.exec_prefix(eps[sender]), "ping", "-c", "1", "-W", "2", eps["r1"].ip],
             check=False,
         )
@@ -72,7 +73,7 @@ def wait_status(service, predicate, timeout=10.0):
             return None
         return status if predicate(status) else None
 
-    return commands.wait_for(probe, timeout=timeout, interval=0.05, what="offload status")
+    return processutil.wait_for(probe, timeout=timeout, interval=0.05, what="offload status")
 
 
 def use_policy(service, text):
