@@ -433,14 +433,16 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             )
             return
         self._set_downtime(guest, plan, instance)
+        opts = migration_options.read(CONF)
         watch = monitor.PlanMonitor(
             _libvirt(),
             self._host,
             plan,
             migrate_data.migration,
-            migration_options.read(CONF).stall_timeout_s,
+            opts.stall_timeout_s,
             CONF.libvirt.live_migration_monitor_interval,
             self.active_migrations,
+            opts.setup_timeout_s,
         )
         outcome = {"ok": False}
 

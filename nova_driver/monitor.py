@@ -24,12 +24,17 @@ from typing import Any
 from nova.virt.libvirt import migration as libvirt_migrate
 from oslo_log import log as logging
 
+from flexmig import exceptions, hypervisor
 from flexmig.migration import controller
 from flexmig.migration.controller import Action, Controller
 from flexmig.migration.planner import Plan
 
 LOG = logging.getLogger(__name__)
 POLL_S = 0.5
+# Longest wait for one libvirt call from the monitor: libvirt waits for QEMU's
+# monitor without limit, and a monitor stuck inside a call watches nothing (in
+# the lab, migrate_start_postcopy once did not return for 5 min).
+CALL_TIMEOUT_S = 30.0
 
 
 @dataclasses.dataclass
@@ -68,6 +73,7 @@ class PlanMonitor:
         stall_timeout_s: float,
         save_interval_s: float,
         active_migrations: dict[str, collections.deque[str]],
+        setup_timeout_s: float | None = None,
     ) -> None:
         self.libvirt = libvirt
         self.host = host
@@ -76,7 +82,9 @@ class PlanMonitor:
         self.save_every = max(1, int(save_interval_s / POLL_S))
         self.active_migrations = active_migrations
         self.state = MonitorState()
-        self.control = Controller(plan, stall_timeout_s, recovers_postcopy=False)
+        self.control = Controller(
+            plan, stall_timeout_s, recovers_postcopy=False, setup_timeout_s=setup_timeout_s
+        )
 
     def run(
         self,
@@ -90,7 +98,11 @@ class PlanMonitor:
         migration = self.migration
         on_failure: collections.deque[str] = collections.deque()
         while True:
-            info = guest.get_job_info()
+            info = self._job_info(guest)
+            if info is None:
+                self._unanswered(guest)
+                time.sleep(POLL_S)
+                continue
             if info.type == lv.VIR_DOMAIN_JOB_NONE and future.done():
                 info.type = libvirt_migrate.find_job_type(guest, instance)
             if info.type == lv.VIR_DOMAIN_JOB_UNBOUNDED:
@@ -145,9 +157,8 @@ class PlanMonitor:
         LOG.info("FlexMig: %s: %s", action.kind, action.reason, instance=instance)
         try:
             if action.kind == controller.SWITCH:
-                libvirt_migrate.trigger_postcopy_switch(guest, instance, self.migration)
-                if self.migration.status != "running (post-copy)":
-                    return  # Nova logged why libvirt refused
+                self._switch(guest, instance, action)
+                return
             elif action.kind == controller.SET_DOWNTIME and action.downtime_ms is not None:
                 guest.migrate_configure_max_downtime(action.downtime_ms)
             elif action.kind == controller.PAUSE_GUEST:
@@ -156,9 +167,44 @@ class PlanMonitor:
                 guest.pause()
                 on_failure.append("unpause")
             elif action.kind == controller.INTERRUPT:
-                self.state.aborted_for = action.reason
-                guest.abort_job()
+                self._abort(guest, action.reason)
         except self.libvirt.libvirtError as exc:
             LOG.warning("FlexMig: libvirt refused to %s: %s", action.kind, exc)
             return
         self.control.done(action)
+
+    def _job_info(self, guest: Any) -> Any | None:
+        try:
+            return hypervisor.bounded(guest.get_job_info, CALL_TIMEOUT_S, "libvirt's job info")
+        except exceptions.Timeout as exc:
+            LOG.warning("FlexMig: %s", exc)
+            return None
+
+    def _unanswered(self, guest: Any) -> None:
+        """libvirt gives no job info: no progress, so a precopy is aborted in time."""
+        for action in self.control.on_stats({}, time.monotonic()):
+            if action.kind == controller.INTERRUPT and not self.state.aborted_for:
+                self._abort(guest, f"libvirt gave no job info ({action.reason})")
+
+    def _switch(self, guest: Any, instance: Any, action: Action) -> None:
+        """Nova's switch, bounded: unanswered, the precopy is aborted (the VM is whole)."""
+        try:
+            hypervisor.bounded(
+                lambda: libvirt_migrate.trigger_postcopy_switch(guest, instance, self.migration),
+                CALL_TIMEOUT_S,
+                "libvirt to switch to postcopy",
+            )
+        except exceptions.Timeout as exc:
+            # If QEMU did switch after all, libvirt refuses the abort and the
+            # migration goes on as postcopy.
+            self._abort(guest, str(exc))
+        if self.migration.status == "running (post-copy)":
+            self.control.done(action)
+
+    def _abort(self, guest: Any, reason: str) -> None:
+        self.state.aborted_for = reason
+        LOG.warning("FlexMig: %s; aborting the precopy", reason)
+        try:
+            hypervisor.bounded(guest.abort_job, CALL_TIMEOUT_S, "libvirt to abort the job")
+        except (self.libvirt.libvirtError, exceptions.Timeout) as exc:
+            LOG.warning("FlexMig: the abort failed: %s", exc)

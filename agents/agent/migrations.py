@@ -269,8 +269,10 @@ class MigrationService:
         """Drive libvirt's migration to its end; the job reports progress into the record."""
         config = JobConfig(
             dest_libvirt_uri=dest.libvirt_uri,
+            source_libvirt_uri=self.conf.agent.libvirt_uri,
             migration_uri=migration_uri,
             stall_timeout_s=self.options.stall_timeout_s,
+            setup_timeout_s=self.options.setup_timeout_s,
             recovery_timeout_s=self.options.recovery_timeout_s,
         )
 

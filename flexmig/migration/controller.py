@@ -49,9 +49,18 @@ def plan_says_switch(plan: Plan, stats: dict[str, int]) -> bool:
 class Controller:
     """One job's watch state; ``recovers_postcopy``: the executor can pause and resume it."""
 
-    def __init__(self, plan: Plan, stall_timeout_s: float, recovers_postcopy: bool) -> None:
+    def __init__(
+        self,
+        plan: Plan,
+        stall_timeout_s: float,
+        recovers_postcopy: bool,
+        setup_timeout_s: float | None = None,
+    ) -> None:
         self.plan = plan
         self.stall_timeout_s = stall_timeout_s
+        # Before the first page moves libvirt starts the destination QEMU:
+        # seconds on a busy host, which is no stall.
+        self.setup_timeout_s = setup_timeout_s or stall_timeout_s
         self.recovers_postcopy = recovers_postcopy
         self.limit_ms = plan.decision.max_downtime_ms
         self.switched = False
@@ -73,9 +82,10 @@ class Controller:
                 actions += self._correction(stats)
         if self._last_move is None:
             self._last_move = now
-        stalled = now - self._last_move > self.stall_timeout_s
+        limit = self.stall_timeout_s if self._last_processed > 0 else self.setup_timeout_s
+        stalled = now - self._last_move > limit
         if stalled and (not self.switched or self.recovers_postcopy):
-            actions.append(Action(INTERRUPT, f"no progress for {self.stall_timeout_s:.0f} s"))
+            actions.append(Action(INTERRUPT, f"no progress for {limit:.0f} s"))
             self._last_move = now  # re-armed: one interruption per stall period
         return actions
 

@@ -85,6 +85,15 @@ migration_opts = [
         "postcopy is paused for recovery.",
     ),
     cfg.FloatOpt(
+        "setup_timeout",
+        default=60.0,
+        min=1.0,
+        max=3600.0,
+        help="Seconds a migration may take before its first page moves (libvirt "
+        "starts the destination QEMU first, seconds on a busy host) before it "
+        "counts as stalled and is aborted; after that, stall_timeout applies.",
+    ),
+    cfg.FloatOpt(
         "recovery_timeout",
         default=300.0,
         min=5.0,
@@ -137,6 +146,7 @@ class EngineOptions:
     stream_bandwidth_mib: int = 256
     bandwidth_probe_mib: int = 64
     stall_timeout_s: float = 15.0
+    setup_timeout_s: float = 60.0
     recovery_timeout_s: float = 300.0
     tcp_fabric_transport: str = "qemu-tcp"
     transport: str = "auto"
@@ -170,6 +180,7 @@ def read(conf: cfg.ConfigOpts) -> EngineOptions:
         stream_bandwidth_mib=values["stream_bandwidth_mib"],
         bandwidth_probe_mib=values["bandwidth_probe_mib"],
         stall_timeout_s=values["stall_timeout"],
+        setup_timeout_s=values["setup_timeout"],
         recovery_timeout_s=values["recovery_timeout"],
         tcp_fabric_transport=values["tcp_fabric_transport"],
         transport=values["transport"],

@@ -124,6 +124,7 @@ def _agent_plan(guest: Guest, dest_free_mib: int, store, monkeypatch, **asked):
     service.host, service.conf, service.options, service.links = "A", conf, OPTS, {}
     service.links_file = store / "state" / "links.json"
     service.rdma = False
+    service.samples = migrations.inventory.SampleCache()
     memory_file = str(store / "libvirt" / "qemu" / "vm1.ram") if guest.file_backed else None
     service.ram_mapping = lambda vm, ram: (memory_file, guest.resident_mib * MIB)
     dest_agent = FakeAgent({"free_for_vms_bytes": dest_free_mib * MIB, "store_free_bytes": 8 << 30})
