@@ -287,8 +287,8 @@ class FlowMigrations:
     def resume(self, migration_id: str) -> list[FlowMatch]:
         """The VM runs here: offload again what was offloaded."""
         mig = self.get(migration_id, Role.DESTINATION)
-        if mig.state in ("resumed", "settled"):
-            return []
+        if mig.state != "arrived":
+            return []  # resumed already (the watcher and settle both say so), or abandoned
         self._stamp(mig, "resumed")
         for flow in mig.flows.values():
             flow.held = ""
