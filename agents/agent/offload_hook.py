@@ -34,8 +34,9 @@ from flexmig import exceptions, hypervisor
 
 LOG = logging.getLogger("flexmig.agent.offload")
 # The incoming domain is polled this often for the moment it runs here: the
-# re-offload target is 1 s after resume, so this is a small part of it.
-RESUME_POLL_S = 0.02
+# re-offload target is 1 s after resume, so this is a small part of it, and
+# 10 light RPCs a second leave libvirtd free for the incoming migration itself.
+RESUME_POLL_S = 0.1
 RESUME_WATCH_MAX_S = 3600.0
 LOCAL_TIMEOUT_S = 10.0
 Event = Callable[[str], None]
@@ -199,8 +200,10 @@ class OffloadHook:
         deadline = time.monotonic() + RESUME_WATCH_MAX_S
         try:
             with hypervisor.connect(self.libvirt_uri, self.host) as conn:
+                dom = None
                 while not stop.is_set() and time.monotonic() < deadline:
-                    if _running(conn, vm):
+                    dom = dom or _lookup(conn, vm)
+                    if dom is not None and _running(dom):
                         self.local("POST", f"/v1/migrations/{migration_id}/resume", {})
                         return
                     stop.wait(RESUME_POLL_S)
@@ -227,9 +230,15 @@ class OffloadHook:
             stop.set()
 
 
-def _running(conn: libvirt.virConnect, vm: str) -> bool:
+def _lookup(conn: libvirt.virConnect, vm: str) -> libvirt.virDomain | None:
     try:
-        dom = hypervisor.find_domain(conn, vm)
-        return dom is not None and dom.state()[0] == libvirt.VIR_DOMAIN_RUNNING
+        return hypervisor.find_domain(conn, vm)
     except libvirt.libvirtError:
-        return False  # the incoming domain is being defined or torn down
+        return None  # the incoming domain is being defined
+
+
+def _running(dom: libvirt.virDomain) -> bool:
+    try:
+        return dom.state()[0] == libvirt.VIR_DOMAIN_RUNNING
+    except libvirt.libvirtError:
+        return False  # being torn down (a failed migration): abandon stops the watch

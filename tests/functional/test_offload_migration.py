@@ -150,6 +150,13 @@ def check_counted_once(services, to, frm, sport, sent, received, port):
 
 def run_migration(lab, services, guest, receiver, sport, mode, to, frm):
     recv = start_traffic(guest, receiver, sport, seconds=25)
+    try:
+        return _migrate_with_traffic(lab, services, guest, recv, sport, mode, to, frm)
+    finally:
+        recv.proc.kill()  # a failed check must not leave the port taken
+
+
+def _migrate_with_traffic(lab, services, guest, recv, sport, mode, to, frm):
     before = wait_flow(
         services[frm], sport, lambda f: f["state"] == "offloaded" and f["offloaded_packets"] > 0,
         f"the guest's flow offloaded on {frm}",
@@ -204,6 +211,13 @@ def test_failed_migration_leaves_flows_offloaded_on_the_source(lab, mlab):
     there = "A" if here == "B" else "B"
     sport = 41003
     recv = start_traffic(guest, receiver, sport, seconds=25)
+    try:
+        _fail_a_migration(lab, services, guest, recv, sport, here, there)
+    finally:
+        recv.proc.kill()
+
+
+def _fail_a_migration(lab, services, guest, recv, sport, here, there):
     before = wait_flow(
         services[here], sport, lambda f: f["state"] == "offloaded", f"flow offloaded on {here}"
     )
