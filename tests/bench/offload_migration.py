@@ -32,9 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-from flexmig import migrate_cli
-from flexmig.lab import commands, endpoints, offload, traffic, vm
-from flexmig.lab.lab import Lab
+from flexmig import migrate_cli, processutil
+from flexmig_lab import endpoints, offload, traffic, vm
+from flexmig_lab.lab import Lab
 
 RATE = 1000
 SECONDS = 20
@@ -107,7 +107,7 @@ def tap_flow(status: dict, sport: int) -> dict | None:
 def set_policy(services: dict[str, offload.LabOffload], text: str, rules: list[str]) -> None:
     for service in services.values():
         service.reload(text)
-        commands.wait_for(
+        processutil.wait_for(
             lambda s=service: s.status()["header_rules"] == rules,
             timeout=10,
             what="the policy to be applied",

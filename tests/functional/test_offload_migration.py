@@ -15,8 +15,8 @@ import time
 
 import pytest
 
-from flexmig import hypervisor, migrate_cli
-from flexmig.lab import commands, endpoints, offload, traffic, vm
+from flexmig import hypervisor, migrate_cli, processutil
+from flexmig_lab import endpoints, offload, traffic, vm
 from ovs_ext.providers.xdp import provider as xdp_provider
 
 pytestmark = pytest.mark.lab
@@ -71,7 +71,7 @@ def wait_status(service, predicate, timeout=15.0, what="offload status"):
             return None
         return status if predicate(status) else None
 
-    return commands.wait_for(probe, timeout=timeout, interval=0.05, what=what)
+    return processutil.wait_for(probe, timeout=timeout, interval=0.05, what=what)
 
 
 def flow_of(status, sport, in_port=None):
@@ -129,7 +129,7 @@ def destroy_incoming(lab, host_name, name):
             dom.destroy()
             return True
 
-    commands.wait_for(destroyed, timeout=30, interval=0.1, what=f"{name} arriving on {host_name}")
+    processutil.wait_for(destroyed, timeout=30, interval=0.1, what=f"{name} on {host_name}")
 
 
 def check_counted_once(services, to, frm, sport, sent, received, port):
