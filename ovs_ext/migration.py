@@ -200,7 +200,7 @@ class FlowMigrations:
     def depart(self, migration_id: str, ports: Iterable[str], peer: str) -> list[FlowTransfer]:
         """Demote the VM's offloaded flows and hold them onloaded; their records."""
         mig = self._new(migration_id, Role.SOURCE, ports, peer)
-        flows = {f.match: f for p in mig.ports for f in self.control.flows.flows_of_port(p)}
+        flows = {f.match: f for f in self._flows_moving_with(mig.ports)}
         mig.flows = flows
         mig.was_offloaded = {m for m, f in flows.items() if f.state is FlowState.OFFLOADED}
         why = f"migrating to {peer}: onloaded before switchover"
@@ -211,6 +211,18 @@ class FlowMigrations:
                 flow.reason = f"{why} (the provider could not remove it)"
         self._stamp(mig, "departing")
         return [transfer_of(f, f.match in mig.was_offloaded) for f in flows.values()]
+
+    def _flows_moving_with(self, ports: tuple[str, ...]) -> list[TrackedFlow]:
+        """The VM's own flows (entering by its ports) and those reaching it from an
+        uplink: they look the same on the destination.  A flow from another port of
+        this host stays here (its sender does); the port's removal onloads it."""
+        uplinks = self.control.dispatchers.uplinks
+        return [
+            f
+            for p in ports
+            for f in self.control.flows.flows_of_port(p)
+            if f.match.in_port in ports or f.match.in_port in uplinks
+        ]
 
     def finish(self, migration_id: str) -> tuple[list[FlowTransfer], list[TrackedFlow]]:
         """The VM runs on the destination: final records; the flows are forgotten

@@ -185,3 +185,14 @@ def test_a_migration_cannot_depart_twice():
     migs.depart("m1", ["tap0"], "b")
     with pytest.raises(exceptions.InvalidInput):
         migs.depart("m1", ["tap0"], "b")
+
+
+def test_a_flow_from_another_local_port_stays_with_its_sender():
+    src, dst = two_hosts()
+    own, from_uplink, from_local = flow(1), flow(2, port="phy0"), flow(3, port="ep-a")
+    offloaded_on(src, own)
+    src.start(from_uplink, "tap0")
+    src.start(from_local, "tap0")
+    records = migration.FlowMigrations(src.control).depart("m1", ["tap0"], "hostB")
+    assert {r.match for r in records} == {own, from_uplink}
+    assert src.control.flows.get(from_local).held == ""
