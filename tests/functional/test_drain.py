@@ -3,8 +3,8 @@
 import pytest
 
 from flexmig import drain_cli
-from flexmig.lab import vm
-from flexmig.lab.lab import Lab
+from flexmig_lab import vm
+from flexmig_lab.lab import Lab
 from tests.functional.conftest import keep_logs, lab_missing_reason, leftovers
 
 pytestmark = pytest.mark.lab
