@@ -51,7 +51,7 @@ GUESTS = (
     ("d-idle1", "256M", "dirtier:wss=32M,rate=0", "file"),
     ("d-hot", "256M", "dirtier:wss=128M,rate=30000", "anonymous"),
     ("d-mod1", "256M", "dirtier:wss=64M,rate=2000", "file"),
-    ("d-big", "384M", "dirtier:wss=64M,rate=1000", "file"),
+    ("d-big", "768M", "dirtier:wss=64M,rate=1000", "file"),
     ("d-idle2", "256M", "dirtier:wss=32M,rate=0", "file"),
     ("d-mod2", "256M", "dirtier:wss=64M,rate=2000", "file"),
     ("d-idle3", "256M", "dirtier:wss=32M,rate=0", "file"),
