@@ -13,7 +13,6 @@ import os
 import sys
 
 from flexmig import exceptions, migrate_cli
-from flexmig.migrate_cli import AGENT_PORT
 
 INVENTORY_GROUP = "flexmig.inventories"
 DEFAULT_INVENTORY = "lab"
@@ -107,10 +106,12 @@ def _drain_through_nova(args: argparse.Namespace) -> int:
     import openstack
 
     from agents.agent import auth
+    from agents.agent import config as agent_config
     from nova_driver import drain as nova_drain
 
+    port = args.agent_port or next(o.default for o in agent_config.agent_opts if o.name == "port")
     api = nova_drain.SdkNovaAPI(openstack.connect())
-    agents = nova_drain.hypervisor_agents(api, args.agent_port, auth.load_key(args.agent_key_file))
+    agents = nova_drain.hypervisor_agents(api, port, auth.load_key(args.agent_key_file))
     plan, report = nova_drain.drain_host(
         api,
         args.host,
@@ -182,7 +183,10 @@ def _add_drain_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         help="the deployment's agent key (default /etc/flexmig/agent.key)",
     )
     nova.add_argument(
-        "--agent-port", type=int, default=AGENT_PORT, help="the agents' API port (9797)"
+        "--agent-port",
+        type=int,
+        default=None,
+        help="the agents' API port (default: the agent's own default, [agent] port)",
     )
     p.set_defaults(func=cmd_drain)
 
