@@ -66,7 +66,7 @@ def dump(lab: Lab, name: str, migration_id: str, path: Path) -> None:
 
 
 def one_run(lab: Lab, index: int, transport: str, hang_after: float, dump_dir: Path) -> bool:
-    name = f"pc{index}"
+    name = f"pc{index}{transport[0]}"  # names are never reused within a lab
     vm.create(
         lab, "A", ram="512M", workload="dirtier:wss=256M,rate=150000",
         memory_backing="anonymous", name=name,
