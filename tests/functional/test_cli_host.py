@@ -80,8 +80,8 @@ def _flexmig(lab, *args: str, config: Path) -> tuple[int, str, str]:
 
 
 def _uuid(lab, name: str) -> str:
-    host = lab.host("A")
-    return host.ns.run(["virsh", "-c", host.local_uri, "domuuid", name]).stdout.strip()
+    uri = lab.host("A").local_uri  # A's libvirtd, reached from outside the host
+    return processutil.run(["virsh", "-c", uri, "domuuid", name]).stdout.strip()
 
 
 def test_explain_through_an_agent_the_lab_did_not_start(lab, own_agents):
