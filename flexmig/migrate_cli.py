@@ -141,6 +141,10 @@ def migrate(
         "events": [text for _ts, text in record["events"]],
     }
     landed = lab.vm_host(name)
+    if landed is None and guest is None and record["state"] == "completed":
+        # No probe inside the guest and the source no longer has it: libvirt
+        # reported the migration complete, so it runs on the destination.
+        landed = lab.destination(to)[0]
     result["running_on"] = landed
     if landed is not None and guest is not None:
         guest.wait_heartbeat(host=landed)

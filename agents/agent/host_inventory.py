@@ -112,7 +112,11 @@ class HostInventory:
         return self._lookup(vm)[0]
 
     def vm_host(self, vm: str) -> str | None:
-        name, active = self._lookup(vm)
+        """This host if the VM runs here; None if it does not (or is not here at all)."""
+        try:
+            _name, active = self._lookup(vm)
+        except exceptions.InvalidInput:
+            return None  # e.g. migrated away: the source keeps no definition
         return self.local if active else None
 
     def agent(self, host: str) -> AgentClient:

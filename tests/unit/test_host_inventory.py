@@ -143,3 +143,43 @@ def test_migration_ok(result, ok):
 def test_unknown_inventory_is_named(capsys):
     assert cli.main(["--inventory", "nope", "explain", "vm", "--to", "B"]) == 1
     assert "'nope' is not installed" in capsys.readouterr().err
+
+
+class MovingInventory(FakeInventory):
+    """The VM leaves this host when the migration completes (a real source's view)."""
+
+    def __init__(self, state: str) -> None:
+        super().__init__()
+        self.state = state
+        self.moved = False
+        agent = self.agent_
+
+        def post(path, body):
+            agent.posted.append((path, body))
+            return {"id": "abc123"}
+
+        def get(path):
+            self.moved = state == "completed"
+            return {
+                "state": state, "error": None, "summary": {"mode": "precopy"},
+                "explanation": "", "events": [], "progress": None, "phase": "",
+            }  # fmt: skip
+
+        agent.post, agent.get = post, get
+
+    def vm_host(self, vm):
+        return None if self.moved else super().vm_host(vm)
+
+
+@pytest.mark.parametrize(
+    ("state", "running_on", "rc"), [("completed", "dst", 0), ("failed", "src", 1)]
+)
+def test_migrate_without_a_guest_probe_trusts_libvirts_completion(
+    monkeypatch, capsys, state, running_on, rc
+):
+    inv = MovingInventory(state)
+    monkeypatch.setattr(cli, "load_inventory", lambda name, files: inv)
+    assert cli.main(["migrate", "instance-0001", "--to", "dst", "--json"]) == rc
+    result = json.loads(capsys.readouterr().out)
+    assert result["running_on"] == running_on
+    assert "verify" not in result
