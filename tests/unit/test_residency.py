@@ -40,29 +40,55 @@ def test_the_target_keeps_headroom_but_never_below_half_the_cap():
 
 
 class _Child:
-    """A process that maps a file shared and writes every page of it, like incoming QEMU."""
+    """A process that maps a file shared and writes every page of it, like incoming QEMU.
 
-    def __init__(self, path: Path, size: int) -> None:
+    ``pause_before_writing``: it maps the file, then waits for ``release()``.
+    """
+
+    def __init__(self, path: Path, size: int, pause_before_writing: bool = False) -> None:
         path.write_bytes(b"")
         os.truncate(path, size)
-        read_end, write_end = os.pipe()
+        to_parent, from_child = os.pipe()[::-1]
+        from_parent, to_child = os.pipe()
         self.pid = os.fork()
         if self.pid == 0:  # pragma: no cover - the child
             fd = os.open(path, os.O_RDWR)
             mem = mmap.mmap(fd, size, mmap.MAP_SHARED)
+            address = ctypes.addressof(ctypes.c_char.from_buffer(mem))
+            os.write(to_parent, f"{address:020d}".encode())
+            if pause_before_writing:
+                os.read(from_parent, 1)
             for offset in range(0, size, 4096):
                 mem[offset : offset + 8] = offset.to_bytes(8, "little")
-            address = ctypes.addressof(ctypes.c_char.from_buffer(mem))
-            os.write(write_end, f"{address}\n".encode())
+            os.write(to_parent, b"D")
             signal.pause()
             os._exit(0)
-        self.address = int(os.read(read_end, 64))
-        os.close(read_end)
-        os.close(write_end)
+        os.close(to_parent)
+        os.close(from_parent)
+        self._from_child, self._to_child = from_child, to_child
+        self.address = int(os.read(from_child, 20))
+        self._done = False
+        if not pause_before_writing:
+            assert os.read(from_child, 1) == b"D"
+            self._done = True
+
+    def release(self) -> None:
+        os.write(self._to_child, b"G")
+
+    def done(self) -> bool:
+        if not self._done:
+            os.set_blocking(self._from_child, False)
+            try:
+                self._done = os.read(self._from_child, 1) == b"D"
+            except BlockingIOError:
+                pass
+        return self._done
 
     def stop(self) -> None:
         os.kill(self.pid, signal.SIGKILL)
         os.waitpid(self.pid, 0)
+        os.close(self._from_child)
+        os.close(self._to_child)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="page frame numbers and process_madvise need root")
