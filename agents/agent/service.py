@@ -14,7 +14,7 @@ from typing import Any
 from oslo_config import cfg
 from oslo_privsep import daemon as privsep_daemon
 
-from agents.agent import api, auth, config, facts, movers, privileged
+from agents.agent import api, auth, config, facts, inventory, movers, privileged
 from agents.agent.client import AgentClient
 from agents.agent.migrations import Destination, MigrationService
 from agents.agent.split_store import ChunkFlusher, ResidencyKeeper, SplitStore
@@ -33,6 +33,7 @@ MIGRATE_OPTIONAL = {
     "parallel": int,
 }
 MAX_PROBE_MIB = 256
+MAX_INVENTORY_PEERS = 64
 MAX_PARALLEL = 8  # libvirt's parallel connections (QEMU multifd channels)
 # An incoming migration's writeback ends when the source says so; this bounds
 # it should the source never say (its agent died).
@@ -63,6 +64,7 @@ class Agent:
         r.add("GET", r"/v1/split/(?P<vm>[^/]+)", self.split_status)
         r.add("POST", "/v1/incoming/writeback", self.incoming_writeback)
         r.add("POST", "/v1/plan", self.plan)
+        r.add("POST", "/v1/inventory", self.inventory)
         r.add("POST", "/v1/mover/receive", self.mover_receive)
         r.add("POST", "/v1/mover/finish", self.mover_finish)
         self.receivers: dict[str, movers.MoverSet] = {}
@@ -107,6 +109,39 @@ class Agent:
         except exceptions.MissingPrerequisite as exc:
             return {"version": None, "detail": str(exc)}
         return {"version": hierarchy.version, "detail": hierarchy.describe()}
+
+    def inventory(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        """Every running VM's facts and dirty model, and the links to ``probe`` peers."""
+        api.check_fields(body, {}, {"probe": list})
+        peers = body.get("probe", [])
+        if len(peers) > MAX_INVENTORY_PEERS:
+            raise api.BadRequest(reason=f"at most {MAX_INVENTORY_PEERS} peers to probe")
+        links = {}
+        for peer in peers:
+            if not isinstance(peer, dict):
+                raise api.BadRequest(reason="each peer is an object with address and port")
+            api.check_fields(peer, {"address": str, "port": int})
+            client = AgentClient(peer["address"], peer["port"], self.key)
+            dest = Destination(agent=client, libvirt_uri="", migration_uri="")
+            links[peer["address"]] = dataclasses.asdict(self.migrations.link(dest))
+        busy = {
+            r.vm for r in self.migrations.records.values() if r.state in ("planning", "running")
+        }
+        vms = inventory.running_vms(
+            self.conf.agent.libvirt_uri,
+            self.host,
+            config.sample_seconds(self.conf),
+            privileged.qemu_ram_mapping,
+            self.migrations.samples,
+            skip=busy.__contains__,
+        )
+        return 200, {
+            "host": self.host,
+            "vms": vms,
+            "links": links,
+            "initial_stream_bps": self.conf.agent.initial_stream_bandwidth_mib * 2**20,
+            "max_downtime_ms": self.conf.agent.max_downtime_ms,
+        }
 
     def probe(self, body: dict[str, Any], m: re.Match[str]) -> tuple[int, bytes]:
         api.check_fields(body, {})
