@@ -140,7 +140,7 @@ def one_run(lab: Lab, case: str, swap_file: Path) -> dict:
 
 
 def _median(rows: list[dict], key: str) -> float:
-    values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+    values = [r[key] for r in rows if isinstance(r.get(key), int | float)]
     return statistics.median(values) if values else math.nan
 
 
@@ -150,11 +150,12 @@ def table(runs: dict[str, list[dict]]) -> list[str]:
     for case, rows in runs.items():
         t, d = _median(rows, "time_s"), _median(rows, "gap_ms")
         pt, pd = _median(rows, "pred_time_s"), _median(rows, "pred_downtime_ms")
+        max_charge = max(r.get("max_charge_mib", 0) for r in rows)
         pred = f"{pt:.2f} s ({pt / t - 1:+.0%}) / {pd:.0f} ms ({pd / d - 1:+.0%})"
         lines.append(
             f"| {case} | {sum(r['ok'] for r in rows)}/{len(rows)} | {t:.2f} | {t / base_t:.2f} "
             f"| {d:.0f} | {d - base_d:+.0f} | {max(r['bad'] for r in rows)} "
-            f"| {_median(rows, 'budget_mib'):.0f} | {max(r.get('max_charge_mib', 0) for r in rows):.0f} "
+            f"| {_median(rows, 'budget_mib'):.0f} | {max_charge:.0f} "
             f"| {pred if case.startswith('split') else ''} | {_median(rows, 'after_pps'):.0f} "
             f"| {rows[0].get('note', '')} |"
         )
