@@ -80,7 +80,7 @@ install_debian_packages() {
 install_python() {
   local stamp=.venv/.installed
   local want
-  want=$(cat setup.cfg constraints.txt | sha256sum | cut -c1-16)
+  want=$(cat setup.cfg constraints.txt tests/rig/pyproject.toml | sha256sum | cut -c1-16)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return
   fi
@@ -89,6 +89,8 @@ install_python() {
     python3 -m venv .venv
     .venv/bin/pip install -q -U pip setuptools wheel
     .venv/bin/pip install -q -c constraints.txt -e ".[test,nova]"
+    # The lab (tests/rig): a test rig beside the product, never inside it.
+    .venv/bin/pip install -q -c constraints.txt --no-build-isolation -e tests/rig
   } >>"$SETUP_LOG" 2>&1
   echo "$want" > "$stamp"
 }
@@ -121,9 +123,9 @@ make -s -C agents/mover >>"$SETUP_LOG" 2>&1
 step "building the XDP eSwitch, the lab's packet generators and the benchmarks' BPF objects"
 {
   make -s -C ovs_ext/providers/xdp
-  make -s -C flexmig/lab/traffic
+  make -s -C tests/rig/flexmig_lab/traffic
   make -s -C tests/bench/bpf
 } >>"$SETUP_LOG" 2>&1
 step "building the guest image (kernel, initramfs, QEMU 10)"
-.venv/bin/flexmig lab image build >>"$SETUP_LOG" 2>&1
+.venv/bin/flexmig-lab image build >>"$SETUP_LOG" 2>&1
 log "ready (details in $SETUP_LOG)"
