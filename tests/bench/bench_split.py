@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 
 from flexmig import exceptions, migrate_cli
-from flexmig.lab import image, vm
-from flexmig.lab.lab import Lab
+from flexmig_lab import image, vm
+from flexmig_lab.lab import Lab
 from tests.bench.bench_modes import _lab_qemu_version, _measure
 
 BANDWIDTH_MIB = 100
