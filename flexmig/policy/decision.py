@@ -272,6 +272,8 @@ def _parameters(
     headroom = None
     if budget is not None:
         prediction, headroom = _split_costs(inp, prediction, budget, reasons)
+    elif inp.dest_memory_cgroup:
+        reasons.append(f"the destination would cap a split VM with {inp.dest_memory_cgroup}")
     return Decision(
         vm=inp.vm,
         ram_bytes=inp.ram_bytes,

@@ -192,6 +192,8 @@ def test_split_explain_names_the_store_and_the_cgroup():
     text = d.explain()
     assert "300 MiB/s (measured)" in text and "cgroup v2" in text
     assert f"{d.headroom_bytes // MIB} MiB of it free for the final round" in text
+    fits = decide(_inputs(dest_memory_cgroup="cgroup v1 (memory controller at /m)")).explain()
+    assert "would cap a split VM with cgroup v1" in fits
     unmeasured = decide(_inputs(dest_free_bytes=400 * MIB)).explain()
     assert "assumed, not measured" in unmeasured
 
