@@ -14,10 +14,10 @@ from typing import Any
 from oslo_config import cfg
 from oslo_privsep import daemon as privsep_daemon
 
-from agents.agent import api, auth, config, facts, inventory, movers, privileged
+from agents.agent import api, auth, config, facts, inventory, movers, offload_hook, privileged
 from agents.agent.client import AgentClient
 from agents.agent.migrations import Destination, MigrationService
-from agents.agent.split_store import ChunkFlusher, SplitStore
+from agents.agent.split_store import ChunkFlusher, ResidencyKeeper, SplitStore
 from flexmig import exceptions
 from flexmig.policy.transport import TRANSPORTS
 
@@ -38,6 +38,7 @@ MAX_PARALLEL = 8  # libvirt's parallel connections (QEMU multifd channels)
 # An incoming migration's writeback ends when the source says so; this bounds
 # it should the source never say (its agent died).
 INCOMING_WRITEBACK_MAX_S = 3600.0
+STORE_PROBE_MAX_AGE_S = 600.0
 
 
 class Agent:
@@ -48,9 +49,16 @@ class Agent:
         self.store = SplitStore(
             conf.agent.state_dir, conf.agent.store_dir, conf.agent.cgroup_parent
         )
-        self.migrations = MigrationService(self.host, conf, config.sample_seconds(conf))
+        self.offload = offload_hook.OffloadHook(
+            conf.agent.offload_control_socket, self.key, self.host, conf.agent.libvirt_uri
+        )
+        self.migrations = MigrationService(
+            self.host, conf, config.sample_seconds(conf), self.offload
+        )
         self.flush_stops: dict[str, threading.Event] = {}
         self.flushers: dict[str, ChunkFlusher] = {}
+        self.keepers: dict[str, ResidencyKeeper] = {}
+        self._store_probe = (0.0, 0.0)
         self.router = api.Router()
         r = self.router
         r.add("GET", "/v1/health", lambda b, m: (200, {"ok": True, "host": self.host}))
@@ -65,6 +73,14 @@ class Agent:
         r.add("POST", "/v1/mover/receive", self.mover_receive)
         r.add("POST", "/v1/mover/finish", self.mover_finish)
         self.receivers: dict[str, movers.MoverSet] = {}
+        # A migrating VM's offloaded flows: the destination's side (from the peer
+        # agent) and the source's (from this host's Nova driver).
+        r.add("POST", "/v1/offload/arrive", self.offload_arrive)
+        r.add("POST", "/v1/offload/settle", self.offload_settle)
+        r.add("POST", "/v1/offload/abandon", self.offload_abandon)
+        r.add("POST", "/v1/offload/depart", self.offload_depart)
+        r.add("POST", "/v1/offload/finish", self.offload_finish)
+        r.add("POST", "/v1/offload/restore", self.offload_restore)
         r.add("POST", "/v1/migrations", self.migrate)
         r.add("GET", r"/v1/migrations/(?P<id>[0-9a-f]+)", self.migration_status)
         r.add(
@@ -83,8 +99,29 @@ class Agent:
             self.conf.agent.libvirt_uri,
             self.conf.agent.memory_budget_mb,
             self.conf.agent.store_dir,
+            self._memory_cgroup(),
             {peer: dataclasses.asdict(link) for peer, link in self.migrations.links.items()},
+            self._store_write_bps(),
         )
+
+    def _store_write_bps(self) -> float:
+        """The store's write bandwidth, probed at most every STORE_PROBE_MAX_AGE_S."""
+        measured_at, bps = self._store_probe
+        if time.monotonic() - measured_at > STORE_PROBE_MAX_AGE_S or not bps:
+            try:
+                bps = facts.store_write_bps(self.conf.agent.store_dir)
+            except OSError as exc:
+                LOG.warning("cannot probe the store's write bandwidth: %s", exc)
+                return 0.0
+            self._store_probe = (time.monotonic(), bps)
+        return bps
+
+    def _memory_cgroup(self) -> dict[str, Any]:
+        try:
+            hierarchy = self.store.hierarchy
+        except exceptions.MissingPrerequisite as exc:
+            return {"version": None, "detail": str(exc)}
+        return {"version": hierarchy.version, "detail": hierarchy.describe()}
 
     def inventory(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         """Every running VM's facts and dirty model, and the links to ``probe`` peers."""
@@ -127,9 +164,19 @@ class Agent:
         return 200, bytes(mib << 20)
 
     def split_prepare(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
-        api.check_fields(body, {"vm": str, "ram_bytes": int, "budget_bytes": int})
-        result = self.store.prepare(body["vm"], body["ram_bytes"], body["budget_bytes"])
-        self._start_flusher(body["vm"])
+        api.check_fields(
+            body, {"vm": str, "ram_bytes": int, "budget_bytes": int}, {"headroom_bytes": int}
+        )
+        vm = body["vm"]
+        result = self.store.prepare(
+            vm, body["ram_bytes"], body["budget_bytes"], body.get("headroom_bytes")
+        )
+        self._stop_flusher(vm)
+        # The keeper writes the VM's file back and keeps its residency under the budget.
+        stop = threading.Event()
+        self.flush_stops[vm] = stop
+        self.keepers[vm] = ResidencyKeeper(self.store, vm, stop)
+        self.keepers[vm].start()
         return 200, result
 
     def _start_flusher(self, vm: str, lifetime_s: float | None = None) -> None:
@@ -157,6 +204,9 @@ class Agent:
         if stop:
             stop.set()
         flusher = self.flushers.pop(vm, None)
+        keeper = self.keepers.pop(vm, None)
+        if keeper:
+            return keeper.stats["rounds"]
         return flusher.rounds if flusher else 0
 
     def incoming_writeback(
@@ -164,7 +214,7 @@ class Agent:
     ) -> tuple[int, dict[str, Any]]:
         """Keep an incoming VM's memory file written back while it migrates here.
 
-        A split VM's flusher runs for the VM's whole stay and is left alone.
+        A split VM's residency keeper runs for the VM's whole stay and is left alone.
         """
         api.check_fields(body, {"vm": str, "active": bool})
         vm = body["vm"]
@@ -215,7 +265,56 @@ class Agent:
             "vm": vm,
             "reservation": self.store.reservation(vm),
             "cgroup": self.store.usage(vm),
+            "cgroup_version": self.store.hierarchy.version,
+            "residency": dict(self.keepers[vm].stats) if vm in self.keepers else None,
         }
+
+    # -- offloaded flows across a migration (offload_hook.py) ---------------------
+    def offload_arrive(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        fields = {"migration_id": str, "vm": str, "ports": list, "peer": str, "flows": list}
+        api.check_fields(body, fields)
+        note = self.offload.arrive(
+            body["migration_id"], body["vm"], body["ports"], body["peer"], body["flows"]
+        )
+        return 200, {"note": note}
+
+    def offload_settle(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {"migration_id": str, "flows": list})
+        return 200, self.offload.settle(body["migration_id"], body["flows"])
+
+    def offload_abandon(
+        self, body: dict[str, Any], _m: re.Match[str]
+    ) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {"migration_id": str, "reason": str})
+        return 200, self.offload.abandon(body["migration_id"], body["reason"])
+
+    def _offload_peer(self, body: dict[str, Any]) -> AgentClient:
+        peer = body["dest"]
+        api.check_fields(peer, {"address": str, "port": int})
+        return AgentClient(peer["address"], peer["port"], self.key)
+
+    def offload_depart(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {"migration_id": str, "vm": str, "dest": dict})
+        events: list[str] = []
+        handled = self.offload.depart(
+            body["migration_id"], body["vm"], self._offload_peer(body), events.append
+        )
+        return 200, {"handled": handled, "events": events}
+
+    def offload_finish(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {"migration_id": str, "dest": dict})
+        events: list[str] = []
+        summary = self.offload.finish(body["migration_id"], self._offload_peer(body), events.append)
+        return 200, {"summary": summary, "events": events}
+
+    def offload_restore(
+        self, body: dict[str, Any], _m: re.Match[str]
+    ) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {"migration_id": str, "reason": str, "dest": dict})
+        events: list[str] = []
+        peer = self._offload_peer(body)
+        self.offload.restore(body["migration_id"], body["reason"], peer, events.append)
+        return 200, {"events": events}
 
     def _destination(self, body: dict[str, Any]) -> Destination:
         api.check_fields(body, DEST_FIELDS)
@@ -241,9 +340,13 @@ class Agent:
             if link.stream_bps
             else "no migration to this destination measured yet"
         )
+        try:
+            flows = self.offload.explain(body["vm"])
+        except exceptions.FlexMigError as exc:
+            flows = f"offloaded flows: unknown ({exc})"
         text = (
             f"{decision.explain()}\n  fabric to {dest.agent.address}: probed "
-            f"{link.fabric_bps / 2**20:.0f} MiB/s; {learned}"
+            f"{link.fabric_bps / 2**20:.0f} MiB/s; {learned}\n  {flows}"
         )
         return 200, {"mode": decision.mode, "transfer": decision.transfer, "explanation": text}
 
