@@ -33,6 +33,9 @@ class Inventory(Protocol):
     def host_names(self) -> list[str]:
         """Every host the inventory knows (a drain's candidate destinations)."""
 
+    def domain(self, vm: str) -> str:
+        """The libvirt domain name of ``vm`` (however the inventory lets VMs be named)."""
+
     def vm_host(self, vm: str) -> str | None:
         """The host the VM runs on, or None."""
 
@@ -47,7 +50,7 @@ class Inventory(Protocol):
 
 
 def _request(lab: Inventory, request: MigrationRequest, to: str) -> tuple[str, dict[str, Any]]:
-    source = lab.vm_host(request.vm)
+    source = lab.vm_host(request.vm)  # request.vm: the libvirt domain name (lab.domain)
     if source is None:
         raise exceptions.InvalidInput(what="VM", reason=f"{request.vm!r} is not running")
     dest_name, dest = lab.destination(to)
@@ -60,13 +63,13 @@ def _request(lab: Inventory, request: MigrationRequest, to: str) -> tuple[str, d
 
 def explain(lab: Inventory, name: str, to: str, **asked: Any) -> dict[str, Any]:
     """The source agent's plan for ``name`` (``asked``: MigrationRequest's fields)."""
-    source, body = _request(lab, MigrationRequest(vm=name, **asked), to)
+    source, body = _request(lab, MigrationRequest(vm=lab.domain(name), **asked), to)
     return lab.agent(source).post("/v1/plan", body)
 
 
 def start(lab: Inventory, name: str, to: str, **asked: Any) -> tuple[str, Any, str]:
     """Start a migration on the source agent: (source host, its agent, migration id)."""
-    source, body = _request(lab, MigrationRequest(vm=name, **asked), to)
+    source, body = _request(lab, MigrationRequest(vm=lab.domain(name), **asked), to)
     agent = lab.agent(source)
     return source, agent, agent.post("/v1/migrations", body)["id"]
 
@@ -77,6 +80,7 @@ def migrate(lab: Inventory, name: str, to: str, show: bool = True, **asked: Any)
     ``asked``: MigrationRequest's fields (mode, max_downtime_ms, bandwidth_mib,
     transport, parallel, store_writeback), validated before anything is sent.
     """
+    name = lab.domain(name)
     guest = lab.guest(name)
     start_ns = time.monotonic_ns()
     source, agent, migration_id = start(lab, name, to, **asked)
@@ -92,6 +96,10 @@ def migrate(lab: Inventory, name: str, to: str, show: bool = True, **asked: Any)
         "events": [text for _ts, text in record["events"]],
     }
     landed = lab.vm_host(name)
+    if landed is None and guest is None and record["state"] == "completed":
+        # No probe inside the guest and the source no longer has it: libvirt
+        # reported the migration complete, so it runs on the destination.
+        landed = lab.destination(to)[0]
     result["running_on"] = landed
     if landed is not None and guest is not None:
         guest.wait_heartbeat(host=landed)

@@ -155,7 +155,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         if (
             budget is not None
             and budget >= MIN_SPLIT_BUDGET
-            and "split" in CONF.flexmig.allowed_modes
+            and "split" in CONF.migration.allowed_modes
             and CONF.libvirt.file_backed_memory
         ):
             agent.post(

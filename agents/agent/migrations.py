@@ -278,6 +278,7 @@ class MigrationService:
                     "vm": record.vm,
                     "ram_bytes": decision.ram_bytes,
                     "budget_bytes": decision.memory_budget_bytes,
+                    "headroom_bytes": decision.headroom_bytes,
                 },
             )
             record.event(

@@ -35,12 +35,19 @@ class DestinationFacts:
     # in pre_live_migration, before planning); None: reserved on demand once
     # the plan says split (the agent path).
     split_reserved: bool | None = None
+    store_write_bps: float = 0.0  # the split store's measured write rate; 0: unknown
+    memory_cgroup: str = ""  # how the destination caps a split VM's residency
 
     @classmethod
     def from_agent(cls, facts: dict[str, Any]) -> DestinationFacts:
         """From an agent's ``/v1/facts`` reply; a reply of another shape is a backend error."""
         try:
-            return cls(int(facts["free_for_vms_bytes"]), int(facts["store_free_bytes"]))
+            return cls(
+                int(facts["free_for_vms_bytes"]),
+                int(facts["store_free_bytes"]),
+                store_write_bps=float(facts.get("store_write_bps") or 0.0),
+                memory_cgroup=str((facts.get("memory_cgroup") or {}).get("detail") or ""),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise exceptions.BackendError(
                 backend="destination agent", reason=f"facts not in the API's shape: {exc!r}"
@@ -209,6 +216,8 @@ def plan(
             split_blocker=split,
             setup_s=link.setup_s,
             switchover_s=link.switchover_s,
+            dest_store_write_bps=dest.store_write_bps,
+            dest_memory_cgroup=dest.memory_cgroup,
         ),
         request.mode,
     )

@@ -20,19 +20,22 @@ def test_facts_count_the_running_vms_against_the_budget(tmp_path):
     running = sum(d.maxMemory() * 1024 for d in conn.listAllDomains(1))
     conn.close()
     assert running > 0
-    got = facts.host_facts("A", uri, 16384, str(tmp_path), {"10.0.0.2": {"setup_s": 0.1}})
+    cgroup = {"version": 1, "detail": "cgroup v1"}
+    links = {"10.0.0.2": {"setup_s": 0.1}}
+    got = facts.host_facts("A", uri, 16384, str(tmp_path), cgroup, links, 5e8)
     assert got["vm_ram_bytes"] == running
     assert got["free_for_vms_bytes"] == max(0, 16384 * MIB - running)
     assert got["store_fs_type"] == filesystem_of(str(tmp_path))
     assert 0 < got["store_free_bytes"] <= got["store_capacity_bytes"]
     assert got["measured_links"] == {"10.0.0.2": {"setup_s": 0.1}}
+    assert got["memory_cgroup"] == cgroup
 
 
 def test_a_budget_of_zero_means_what_the_host_has_available(tmp_path, monkeypatch):
     # MemAvailable moves on a busy machine: pin it to test the rule, not the host.
     assert facts._mem_available() > 0
     monkeypatch.setattr(facts, "_mem_available", lambda: 3 << 30)
-    got = facts.host_facts("A", "test:///default", 0, str(tmp_path), {})
+    got = facts.host_facts("A", "test:///default", 0, str(tmp_path), {}, {})
     assert got["memory_budget_bytes"] == (3 << 30) + got["vm_ram_bytes"]
 
 

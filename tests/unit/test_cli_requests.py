@@ -10,7 +10,8 @@ from flexmig import cli, exceptions
 class FakeAgent:
     def __init__(self, reply=None, error=None) -> None:
         self.posted: list[tuple[str, dict]] = []
-        self.reply, self.error = reply or {"explanation": "vm1: PRECOPY"}, error
+        plan = {"explanation": "vm1: PRECOPY", "mode": "precopy", "transfer": "precopy"}
+        self.reply, self.error = reply or plan, error
 
     def post(self, path: str, body: dict) -> dict:
         self.posted.append((path, body))
@@ -22,6 +23,9 @@ class FakeAgent:
 class FakeInventory:
     def __init__(self, agent: FakeAgent) -> None:
         self.the_agent = agent
+
+    def domain(self, vm: str) -> str:
+        return vm
 
     def vm_host(self, vm: str) -> str | None:
         return "A" if vm == "vm1" else None
@@ -39,7 +43,7 @@ class FakeInventory:
 @pytest.fixture
 def agent(monkeypatch):
     fake = FakeAgent()
-    monkeypatch.setattr(cli, "load_inventory", lambda name: FakeInventory(fake))
+    monkeypatch.setattr(cli, "load_inventory", lambda name, files: FakeInventory(fake))
     return fake
 
 
