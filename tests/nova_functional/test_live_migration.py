@@ -228,10 +228,14 @@ class TestShortDestination(FlexMigNovaTestBase):
         self.assertIn("flexmig_split", self._events(server))
         # The destination reserved VM RAM-cap budget = free - QEMU's own 160 MiB,
         # before the incoming QEMU started; the libvirt hook caps QEMU with it.
+        reservation = self.dest_agent.reservation(name)
         self.assertEqual(
             {"ram_bytes": VM_RAM_MB * MIB, "budget_bytes": (400 - 160) * MIB},
-            self.dest_agent.reservation(name),
+            {k: reservation[k] for k in ("ram_bytes", "budget_bytes")},
         )
+        # the split store keeps headroom under the cap for the final round
+        self.assertLess(0, reservation["headroom_bytes"])
+        self.assertLessEqual(reservation["headroom_bytes"], reservation["budget_bytes"] // 2)
         seen = self.guests.seen[name]
         # File-backed memory rules postcopy out: split moves it by precopy.
         self.assertFalse(seen.flags & fakelibvirt.VIR_MIGRATE_POSTCOPY)
