@@ -7,6 +7,8 @@ option, instead of failing the first live migration hours later.
 
 from __future__ import annotations
 
+import math
+
 from oslo_config import cfg, types
 
 from flexmig import exceptions
@@ -113,9 +115,12 @@ def validate(conf: cfg.ConfigOpts) -> None:
     """Read every option (oslo.config parses lazily) and check the cross-option rules."""
     for opt in flexmig_opts:
         try:
-            getattr(conf[GROUP], opt.dest)
+            value = getattr(conf[GROUP], opt.dest)
         except (cfg.ConfigFileValueError, ValueError) as exc:
             raise InvalidConfig(option=opt.name, reason=str(exc)) from exc
+        # oslo.config's bounds compare false against NaN, so "nan" passes them.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidConfig(option=opt.name, reason=f"{value} is not a finite number")
     group = conf[GROUP]
     if not group.allowed_modes:
         raise InvalidConfig(option="allowed_modes", reason="name at least one mode")
