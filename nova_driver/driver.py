@@ -1,6 +1,6 @@
 """FlexMigLibvirtDriver: Nova's libvirt driver with FlexMig's live-migration modes.
 
-Enabled by ``compute_driver = nova_driver.driver.FlexMigLibvirtDriver``.  Only
+Enabled by ``compute_driver = flexmig.FlexMigLibvirtDriver``.  Only
 the live-migration seams are overridden; everything else is Nova's driver.
 
 Destination, ``pre_live_migration``: after Nova's own preparation, ask the

@@ -18,6 +18,8 @@ APT_PACKAGES=(
 )
 
 log() { echo "setup: $*" >&2; }
+# The version a tree without git history installs as (pbr needs one).
+UNVERSIONED=0.0.0
 
 need_root() {
   if [ "$(id -u)" -ne 0 ]; then
@@ -55,14 +57,24 @@ install_debian_packages() {
 install_python() {
   local stamp=.venv/.installed
   local want
-  want=$(cat setup.cfg constraints.txt | sha256sum | cut -c1-16)
+  want=$(cat setup.cfg setup.py pyproject.toml requirements.txt test-requirements.txt \
+    constraints.txt | sha256sum | cut -c1-16)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return
+  fi
+  # pbr takes the version from git; a tree without its history (an exported
+  # archive) has none to take, so it is given one.  Clones, shallow ones
+  # included, have a commit to count from.
+  if ! git -C "$ROOT" rev-parse --verify -q HEAD >/dev/null 2>&1; then
+    log "no git history here: installing as version $UNVERSIONED"
+    export PBR_VERSION=$UNVERSIONED
   fi
   log "creating the virtualenv in .venv"
   python3 -m venv .venv
   .venv/bin/pip install -q -U pip setuptools wheel
-  .venv/bin/pip install -q -c constraints.txt -e ".[test,nova]"
+  # The gate's way: requirements under the upper constraints.
+  .venv/bin/pip install -q -c constraints.txt -r requirements.txt -r test-requirements.txt
+  .venv/bin/pip install -q -c constraints.txt -e .
   echo "$want" > "$stamp"
 }
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from oslo_config import cfg
+from oslo_log import log
 
 agent_opts = [
     cfg.IPOpt(
@@ -102,6 +103,7 @@ agent_opts = [
 # tests) must not find required [agent] options on their global cfg.CONF.
 CONF = cfg.ConfigOpts()
 CONF.register_opts(agent_opts, group="agent")
+log.register_options(CONF)
 
 
 def list_opts() -> list[tuple[str, list[cfg.Opt]]]:

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 from oslo_config import cfg
+from oslo_log import log
 from oslo_privsep import daemon as privsep_daemon
 
 from agents.agent import api, auth, config, facts, movers, privileged
@@ -275,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     ) as exc:
         print(f"flexmig-agent: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    log.setup(conf, "flexmig-agent")
     LOG.info(
         "listening on %s:%d%s",
         conf.agent.listen_address,
