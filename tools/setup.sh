@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One idempotent setup step: Debian packages, the Python virtualenv and the
 # guest image.  Safe to run again; it only does what is missing.
-set -euo pipefail
+set -Eeuo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 
@@ -17,9 +17,31 @@ APT_PACKAGES=(
   python3-venv python3-dev
 )
 
+# Progress goes to the terminal, one line per step; what the tools print (apt,
+# pip's and eventlet's warnings, compilers) goes to a log shown on failure.
+mkdir -p .cache
+SETUP_LOG="$ROOT/.cache/setup.log"
+: >"$SETUP_LOG"
+STEP="starting"
+
 log() { echo "setup: $*" >&2; }
 # The version a tree without git history installs as (pbr needs one).
 UNVERSIONED=0.0.0
+
+step() {
+  STEP=$*
+  log "$STEP"
+  echo "== $STEP" >>"$SETUP_LOG"
+}
+
+on_failure() {
+  local rc=$?
+  log "FAILED while $STEP (exit $rc); the last lines of $SETUP_LOG:"
+  tail -n 25 "$SETUP_LOG" | sed 's/^/    /' >&2
+  log "the whole log: $SETUP_LOG"
+  exit "$rc"
+}
+trap on_failure ERR
 
 need_root() {
   if [ "$(id -u)" -ne 0 ]; then
@@ -39,16 +61,19 @@ install_debian_packages() {
     return
   fi
   need_root
-  log "installing: ${missing[*]:-(package lists only)}"
+  step "installing Debian packages: ${missing[*]:-(package lists only)}"
   # Package scripts must not start the machine's own libvirtd/OVS: every lab
   # host runs its own daemons inside its namespaces.
   local policy=/usr/sbin/policy-rc.d created_policy=0
   if [ ! -e "$policy" ]; then
     printf '#!/bin/sh\nexit 101\n' > "$policy" && chmod +x "$policy" && created_policy=1
   fi
-  apt-get update -q
+  # Wait for another apt (unattended-upgrades, a parallel setup) instead of failing.
+  local apt=(apt-get -q -o DPkg::Lock::Timeout=300)
+  "${apt[@]}" update >>"$SETUP_LOG" 2>&1
   if [ ${#missing[@]} -gt 0 ]; then
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+    DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y --no-install-recommends \
+      "${missing[@]}" >>"$SETUP_LOG" 2>&1
   fi
   [ "$created_policy" -eq 1 ] && rm -f "$policy"
   return 0
@@ -69,12 +94,14 @@ install_python() {
     log "no git history here: installing as version $UNVERSIONED"
     export PBR_VERSION=$UNVERSIONED
   fi
-  log "creating the virtualenv in .venv"
-  python3 -m venv .venv
-  .venv/bin/pip install -q -U pip setuptools wheel
-  # The gate's way: requirements under the upper constraints.
-  .venv/bin/pip install -q -c constraints.txt -r requirements.txt -r test-requirements.txt
-  .venv/bin/pip install -q -c constraints.txt -e .
+  step "creating the virtualenv in .venv (Python packages, a few minutes the first time)"
+  {
+    python3 -m venv .venv
+    .venv/bin/pip install -q -U pip setuptools wheel
+    # The gate's way: requirements under the upper constraints.
+    .venv/bin/pip install -q -c constraints.txt -r requirements.txt -r test-requirements.txt
+    .venv/bin/pip install -q -c constraints.txt -e .
+  } >>"$SETUP_LOG" 2>&1
   echo "$want" > "$stamp"
 }
 
@@ -86,10 +113,11 @@ fetch_nova_api_paste() {
   if [ -f "$paste" ] && [ "$(cat .cache/nova/version 2>/dev/null)" = "$version" ]; then
     return
   fi
-  log "fetching api-paste.ini from the nova $version source distribution"
+  step "fetching api-paste.ini from the nova $version source distribution"
   local tmp
   tmp=$(mktemp -d)
-  .venv/bin/pip download -q --no-deps --no-binary :all: -d "$tmp" "nova==$version"
+  .venv/bin/pip download -q --no-deps --no-binary :all: -d "$tmp" "nova==$version" \
+    >>"$SETUP_LOG" 2>&1
   mkdir -p .cache/nova
   tar -xzf "$tmp/nova-$version.tar.gz" -C "$tmp" "nova-$version/etc/nova/api-paste.ini"
   cp "$tmp/nova-$version/etc/nova/api-paste.ini" "$paste"
@@ -100,12 +128,14 @@ fetch_nova_api_paste() {
 install_debian_packages
 install_python
 fetch_nova_api_paste
-log "building the data mover"
-make -s -C agents/mover
-log "building the XDP eSwitch and the lab's packet generator"
-make -s -C ovs_ext/providers/xdp
-make -s -C flexmig/lab/traffic
-make -s -C tests/bench/bpf
-log "building the guest image"
-.venv/bin/flexmig lab image build >/dev/null
-log "ready"
+step "building the data mover"
+make -s -C agents/mover >>"$SETUP_LOG" 2>&1
+step "building the XDP eSwitch, the lab's packet generators and the benchmarks' BPF objects"
+{
+  make -s -C ovs_ext/providers/xdp
+  make -s -C flexmig/lab/traffic
+  make -s -C tests/bench/bpf
+} >>"$SETUP_LOG" 2>&1
+step "building the guest image (kernel, initramfs, QEMU 10)"
+.venv/bin/flexmig lab image build >>"$SETUP_LOG" 2>&1
+log "ready (details in $SETUP_LOG)"

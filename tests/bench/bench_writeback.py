@@ -22,11 +22,11 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from flexmig import migrate_cli
+from flexmig import exceptions, migrate_cli
 from flexmig.lab import vm
 from flexmig.lab.lab import Lab
+from tests.bench import tracefs
 
-TRACEFS = Path("/sys/kernel/tracing")
 MSYNC_RE = re.compile(r"qemu-system-x86-(\d+)\s.*?(\d+\.\d+): sys_(msync)(\(| ->)")
 OUT = Path("docs/benchmarks/writeback.md")
 WORKLOAD = "dirtier:wss=128M,rate=3000"
@@ -35,8 +35,13 @@ WORKLOAD = "dirtier:wss=128M,rate=3000"
 @contextlib.contextmanager
 def msync_trace() -> Iterator[list[float]]:
     """Durations (ms) of every QEMU msync while the block runs."""
-    events = [TRACEFS / f"events/syscalls/sys_{e}_msync/enable" for e in ("enter", "exit")]
-    (TRACEFS / "trace").write_text("")
+    root = tracefs.ensure_mounted()
+    events = [root / f"events/syscalls/sys_{e}_msync/enable" for e in ("enter", "exit")]
+    if not all(event.is_file() for event in events):
+        raise exceptions.MissingPrerequisite(
+            what="the msync syscall tracepoints", hint="kernel built without FTRACE_SYSCALLS"
+        )
+    (root / "trace").write_text("")
     for event in events:
         event.write_text("1")
     durations: list[float] = []
@@ -46,7 +51,7 @@ def msync_trace() -> Iterator[list[float]]:
         for event in events:
             event.write_text("0")
         started: dict[str, float] = {}
-        for line in (TRACEFS / "trace").read_text().splitlines():
+        for line in (root / "trace").read_text().splitlines():
             match = MSYNC_RE.search(line)
             if not match:
                 continue

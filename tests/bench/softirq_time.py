@@ -16,10 +16,12 @@ from pathlib import Path
 
 from flexmig import exceptions
 from ovs_ext.providers.xdp import libbpf
+from tests.bench import tracefs
 
 SOURCE = Path(__file__).resolve().parent / "bpf" / "softirq_time.bpf.c"
 OBJECT = SOURCE.parent / "build" / "softirq_time.bpf.o"
 PROGRAMS = ("softirq_entry", "softirq_exit")
+TRACEPOINTS = ("irq/softirq_entry", "irq/softirq_exit")
 SLOT_NET_NS, SLOT_OTHER_NS = 1, 2
 
 
@@ -30,6 +32,20 @@ def built_object() -> Path:
             what=str(OBJECT), hint="run tools/setup.sh (it builds the benchmarks' BPF objects)"
         )
     return OBJECT
+
+
+def require_tracepoints() -> None:
+    """Mount tracefs if needed; a clear error naming what is missing otherwise.
+
+    libbpf attaches a tracepoint program by the event's id, read from tracefs:
+    without it, the attach fails with a bare ENOENT.
+    """
+    events = tracefs.ensure_mounted() / "events"
+    for name in TRACEPOINTS:
+        if not (events / name / "id").is_file():
+            raise exceptions.MissingPrerequisite(
+                what=f"the kernel tracepoint {name}", hint=f"not listed under {events}"
+            )
 
 
 @functools.cache
@@ -48,6 +64,7 @@ class SoftirqClock:
     """Attached while open; :meth:`seconds` is the network softirq time so far."""
 
     def __enter__(self) -> SoftirqClock:
+        require_tracepoints()
         lib = _lib()
         path = str(built_object()).encode()
         self._obj = lib.bpf_object__open_file(path, None)

@@ -9,9 +9,19 @@ import time
 
 import pytest
 
-from tests.bench.softirq_time import SLOT_OTHER_NS, SoftirqClock
+from flexmig import exceptions
+from tests.bench.softirq_time import SLOT_OTHER_NS, SoftirqClock, require_tracepoints
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="attaching BPF tracepoints needs root")
+
+
+@pytest.fixture(autouse=True)
+def tracepoints() -> None:
+    """Mounts tracefs where the machine has none; skips, naming it, where it cannot."""
+    try:
+        require_tracepoints()
+    except exceptions.MissingPrerequisite as missing:
+        pytest.skip(str(missing))
 
 
 def _flood_loopback(packets: int) -> float:
