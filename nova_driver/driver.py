@@ -90,6 +90,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             *self._agent_endpoint,
             self._flexmig_key,
             timeout=CONF.flexmig.agent_timeout,
+            ca_file=CONF.flexmig.agent_ca_file,
         )
 
     # -- destination ----------------------------------------------------------
@@ -386,7 +387,9 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         # clean (no shared instance path): release the reservation from here,
         # with the credential the destination issued for this VM's migration.
         try:
-            agent = planning.destination_agent(offer, CONF.flexmig.agent_timeout)
+            agent = planning.destination_agent(
+                offer, CONF.flexmig.agent_timeout, CONF.flexmig.agent_ca_file
+            )
             agent.post("/v1/split/cleanup", {"vm": instance.name})
             LOG.info("FlexMig: released the destination's split reservation", instance=instance)
         except exceptions.FlexMigError as exc:

@@ -133,6 +133,8 @@ def test_post_config_writes_an_agent_config_the_agent_accepts(stack):
     assert conf.agent.memory_budget_mb == 0
     assert conf.agent.cgroup_parent == "flexmig"
     assert conf.agent.libvirt_uri == "qemu:///system"
+    # Nova drives migrations under DevStack: the agent's own orchestration is off.
+    assert conf.agent.allow_orchestration is False
 
 
 def test_generated_key_is_private_to_the_stack_user_and_generated_once(stack):
