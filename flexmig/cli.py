@@ -196,6 +196,64 @@ def cmd_migrate(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def cmd_drain(args: argparse.Namespace) -> int:
+    from flexmig import drain_cli  # the drain's modules load only for this command
+
+    lab = Lab()
+    plan, inputs, backend = drain_cli.prepare(
+        lab, args.host, args.max_concurrency, args.link_mib, args.max_downtime_ms
+    )
+    print(plan.explain())
+    if args.dry_run:
+        return 0
+    report = drain_cli.execute(lab, plan, inputs, backend, args.max_concurrency)
+    print(report.table())
+    for name, measured in report.measured.items():
+        if "bad" in measured:
+            print(
+                f"  {name}: runs on {measured['running_on']}, verify bad={measured['bad']} "
+                f"lost={measured['lost']}"
+            )
+    if args.json:
+        _print(
+            {"counts": report.counts(), "total_s": report.total_s, "measured": report.measured},
+            True,
+        )
+    moved = report.counts().get("completed", 0) == len(plan.moves)
+    return 0 if moved and drain_cli.guests_ok(report) and not plan.unplaceable else 1
+
+
+def _concurrency(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 8:
+        raise argparse.ArgumentTypeError(f"{value} not in 1..8")
+    return value
+
+
+def _add_drain_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser(
+        "drain", help="move every VM off a host, planned to finish soonest (lab hosts)"
+    )
+    p.add_argument("host", help="the host to empty")
+    p.add_argument("--dry-run", action="store_true", help="show the plan and why; move nothing")
+    p.add_argument(
+        "--max-concurrency",
+        type=_concurrency,
+        default=4,
+        metavar="N",
+        help="most migrations at once the planner may choose, 1..8 (default 4)",
+    )
+    p.add_argument(
+        "--link-mib",
+        type=int,
+        default=0,
+        help="the source uplink's bandwidth in MiB/s (default: the agents' probe)",
+    )
+    p.add_argument("--max-downtime-ms", type=int, help="downtime budget (default: agent's)")
+    p.add_argument("--json", action="store_true", help="also print the outcome as JSON")
+    p.set_defaults(func=cmd_drain)
+
+
 def _print_summary(result: dict[str, object]) -> None:
     check = result.get("verify") or {}
     rows = {
@@ -288,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--json", action="store_true")
     demo.set_defaults(func=cmd_demo)
     _add_migration_parsers(sub)
+    _add_drain_parser(sub)
     _add_lab_parser(sub)
     return parser
 

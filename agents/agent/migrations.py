@@ -19,7 +19,7 @@ from typing import Any
 
 from stevedore import driver
 
-from agents.agent import auth, movers, privileged
+from agents.agent import auth, inventory, movers, privileged
 from agents.agent.client import AgentClient
 from flexmig import exceptions, hypervisor, vm_facts
 from flexmig.modes.base import MigrationMode
@@ -126,6 +126,8 @@ class MigrationService:
         self.links_file = Path(conf.agent.state_dir) / "links.json"
         self.links = self._load_links()
         self.lock = threading.Lock()
+        # Samples a drain's inventory just took: its migrations decide on them.
+        self.samples = inventory.SampleCache()
 
     def _load_links(self) -> dict[str, LinkEstimate]:
         """What earlier runs of this agent learned about each destination."""
@@ -155,7 +157,9 @@ class MigrationService:
             if dom is None or not dom.isActive():
                 raise exceptions.InvalidInput(what="VM", reason=f"{vm!r} is not running here")
             mem = vm_facts.memory_facts(dom, self.host, privileged.qemu_ram_mapping)
-            samples = vm_facts.sample_dirty_pages(conn, dom, self.host, self.sample_seconds)
+            samples = self.samples.take(vm) or vm_facts.sample_dirty_pages(
+                conn, dom, self.host, self.sample_seconds
+            )
         facts = dest.agent.get("/v1/facts")
         link = self.link(dest)
         initial = self.conf.agent.initial_stream_bandwidth_mib * 2**20

@@ -16,7 +16,7 @@ from oslo_config import cfg
 from oslo_log import log
 from oslo_privsep import daemon as privsep_daemon
 
-from agents.agent import api, auth, config, facts, listener, movers, privileged
+from agents.agent import api, auth, config, facts, inventory, listener, movers, privileged
 from agents.agent.client import AgentClient
 from agents.agent.migrations import Destination, MigrationService
 from agents.agent.split_store import ChunkFlusher, SplitStore
@@ -35,6 +35,7 @@ MIGRATE_OPTIONAL = {
     "parallel": int,
 }
 MAX_PROBE_MIB = 256
+MAX_INVENTORY_PEERS = 64
 MAX_PARALLEL = 8  # libvirt's parallel connections (QEMU multifd channels)
 # An incoming migration's writeback ends when the source says so; this bounds
 # it should the source never say (its agent died).
@@ -61,6 +62,8 @@ class Agent:
         r.add("POST", "/v1/split/cleanup", self.split_cleanup)
         r.add("GET", r"/v1/split/(?P<vm>[^/]+)", self.split_status)
         r.add("POST", "/v1/incoming/writeback", self.incoming_writeback)
+        # Read-only: Nova's drain (nova_driver.drain) asks it too.
+        r.add("POST", "/v1/inventory", self.inventory)
         self.receivers: dict[str, movers.MoverSet] = {}
         # Routes that plan or move VMs on the agents' own initiative.
         orchestrate = self._orchestration
@@ -102,6 +105,39 @@ class Agent:
             self.conf.agent.store_dir,
             {peer: dataclasses.asdict(link) for peer, link in self.migrations.links.items()},
         )
+
+    def inventory(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        """Every running VM's facts and dirty model, and the links to ``probe`` peers."""
+        api.check_fields(body, {}, {"probe": list})
+        peers = body.get("probe", [])
+        if len(peers) > MAX_INVENTORY_PEERS:
+            raise api.BadRequest(reason=f"at most {MAX_INVENTORY_PEERS} peers to probe")
+        links = {}
+        for peer in peers:
+            if not isinstance(peer, dict):
+                raise api.BadRequest(reason="each peer is an object with address and port")
+            api.check_fields(peer, {"address": str, "port": int})
+            client = self.peer(peer["address"], peer["port"])
+            dest = Destination(agent=client, libvirt_uri="", migration_uri="")
+            links[peer["address"]] = dataclasses.asdict(self.migrations.link(dest))
+        busy = {
+            r.vm for r in self.migrations.records.values() if r.state in ("planning", "running")
+        }
+        vms = inventory.running_vms(
+            self.conf.agent.libvirt_uri,
+            self.host,
+            config.sample_seconds(self.conf),
+            privileged.qemu_ram_mapping,
+            self.migrations.samples,
+            skip=busy.__contains__,
+        )
+        return 200, {
+            "host": self.host,
+            "vms": vms,
+            "links": links,
+            "initial_stream_bps": self.conf.agent.initial_stream_bandwidth_mib * 2**20,
+            "max_downtime_ms": self.conf.agent.max_downtime_ms,
+        }
 
     def probe(self, body: dict[str, Any], m: re.Match[str]) -> tuple[int, bytes]:
         api.check_fields(body, {})

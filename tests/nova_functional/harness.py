@@ -151,9 +151,12 @@ class MigrationSeen:
 class GuestWorkloads(fixtures.Fixture):
     """Per-guest workloads and migration behaviour for Nova's fakelibvirt."""
 
-    def __init__(self, dest_connection: Any) -> None:
+    def __init__(self, dest_connection: Any, by_uri: bool = False) -> None:
         super().__init__()
+        # ``dest_connection()``, or with ``by_uri`` ``dest_connection(dconnuri)``
+        # when there are several destinations.
         self.dest_connection = dest_connection
+        self.by_uri = by_uri
         self.workloads: dict[str, Workload] = {}
         self.fail: set[str] = set()
         self.seen: dict[str, MigrationSeen] = {}
@@ -279,7 +282,8 @@ class GuestWorkloads(fixtures.Fixture):
                 error_code=fakelibvirt.VIR_ERR_OPERATION_FAILED,
                 error_domain=fakelibvirt.VIR_FROM_QEMU,
             )
-        self.dest_connection().createXML(params["destination_xml"], 0)
+        dest = self.dest_connection(dconnuri) if self.by_uri else self.dest_connection()
+        dest.createXML(params["destination_xml"], 0)
         record.outcome = "completed"
         dom._flexmig_job = None
         dom.complete_job()

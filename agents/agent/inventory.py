@@ -1,0 +1,116 @@
+"""Everything a drain planner needs from the host being drained, read at once.
+
+Each running VM's memory facts and dirty-rate samples (fitted to seed 000's
+model here, so the planner gets M and tau), all VMs sampled at the same time:
+sampling one VM after another would cost the drain seconds per VM before
+anything moves.  The samples are kept briefly so that the migrations the
+drain then starts are decided on the same measurement instead of sampling
+again (``MigrationService.plan``).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import libvirt
+
+from flexmig import exceptions, hypervisor, vm_facts
+from flexmig.policy import dirty_model
+
+# Samples older than this are not reused for a migration's decision: a guest's
+# behaviour drifts, and a drain starts its migrations within seconds.
+SAMPLES_MAX_AGE_S = 120.0
+# libvirt's dirty-rate calculations of different domains run side by side;
+# more at once than this only queues behind QEMU's threads on a small host.
+MAX_PARALLEL_SAMPLES = 8
+
+
+@dataclasses.dataclass
+class SampleCache:
+    """Recent dirty-rate samples per VM, shared by the inventory and migrations."""
+
+    entries: dict[str, tuple[float, list[tuple[float, float]]]] = dataclasses.field(
+        default_factory=dict
+    )
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def put(self, vm: str, samples: list[tuple[float, float]]) -> None:
+        with self.lock:
+            self.entries[vm] = (time.monotonic(), samples)
+
+    def take(self, vm: str) -> list[tuple[float, float]] | None:
+        """The VM's samples if fresh, once: a second migration samples anew."""
+        with self.lock:
+            at, samples = self.entries.pop(vm, (0.0, []))
+        return samples if samples and time.monotonic() - at <= SAMPLES_MAX_AGE_S else None
+
+
+def _one_vm(
+    conn: libvirt.virConnect,
+    dom: libvirt.virDomain,
+    host: str,
+    seconds: tuple[int, ...],
+    ram_mapping: vm_facts.RamMappingReader,
+    cache: SampleCache,
+) -> dict[str, Any]:
+    mem = vm_facts.memory_facts(dom, host, ram_mapping)
+    samples = vm_facts.sample_dirty_pages(conn, dom, host, seconds)
+    cache.put(dom.name(), samples)
+    model = dirty_model.fit(samples, max_pages=mem.ram_bytes / vm_facts.PAGE)
+    return {
+        "name": dom.name(),
+        "ram_bytes": mem.ram_bytes,
+        "resident_bytes": mem.resident_bytes,
+        "file_backed": mem.file_backed,
+        "postcopy_blocker": mem.postcopy_blocker,
+        "dirty": {"m_pages": model.m_pages, "tau_s": model.tau_s},
+        "samples": samples,
+    }
+
+
+def running_vms(
+    uri: str,
+    host: str,
+    seconds: tuple[int, ...],
+    ram_mapping: vm_facts.RamMappingReader,
+    cache: SampleCache,
+    skip: Callable[[str], bool] = lambda name: False,
+) -> list[dict[str, Any]]:
+    """Facts and fitted dirty model of every running VM (``skip``: VMs migrating now)."""
+    with hypervisor.connect(uri, host) as conn:
+        with hypervisor.wrap_errors(host, "list running VMs"):
+            doms = [
+                d
+                for d in conn.listAllDomains(libvirt.VIR_CONNECT_LIST_DOMAINS_ACTIVE)
+                if not skip(d.name())
+            ]
+        if not doms:
+            return []
+        workers = min(MAX_PARALLEL_SAMPLES, len(doms))
+        with concurrent.futures.ThreadPoolExecutor(workers, "inventory") as pool:
+            futures = [
+                pool.submit(_one_vm, conn, d, host, seconds, ram_mapping, cache) for d in doms
+            ]
+            results = []
+            for future in futures:
+                try:
+                    results.append(future.result())
+                except exceptions.FlexMigError as exc:
+                    # A VM that vanished or cannot be read stays in the answer
+                    # with why: the planner must not silently leave it behind.
+                    results.append({"name": None, "error": str(exc)})
+            return _name_errors(results, doms)
+
+
+def _name_errors(
+    results: list[dict[str, Any]], doms: list[libvirt.virDomain]
+) -> list[dict[str, Any]]:
+    for result, dom in zip(results, doms, strict=True):
+        if result.get("name") is None:
+            result["name"] = dom.name()
+    return results

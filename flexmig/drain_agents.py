@@ -1,0 +1,171 @@
+"""A drain through the FlexMig agents: their facts in, their migrations out.
+
+The source host's agent reports every running VM with its fitted dirty model
+and probes the fabric to each destination (``POST /v1/inventory``); each
+destination's agent reports the RAM and store it offers (``/v1/facts``); the
+plan's migrations are started on the source agent with the plan's mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Any
+
+from flexmig import drain_run, exceptions
+from flexmig.policy import drain
+from flexmig.policy.dirty_model import DirtyModel
+
+MIB = 2**20
+# The agent's own work per migration before libvirt's job starts (the
+# destination's facts, the store writeback request, the transport): measured
+# in the lab's drains, not part of libvirt's setup time that the agent learns.
+AGENT_OVERHEAD_S = 0.4
+
+
+@dataclasses.dataclass(frozen=True)
+class HostEndpoint:
+    """How to reach one host: its agent and its libvirt."""
+
+    name: str
+    agent: Any  # agents.agent.client.AgentClient: how this tool reaches it
+    address: str  # where other agents reach it (management network)
+    port: int
+    libvirt_uri: str
+    migration_uri: str
+
+    def dest_body(self) -> dict[str, Any]:
+        return {
+            "address": self.address,
+            "port": self.port,
+            "libvirt_uri": self.libvirt_uri,
+            "migration_uri": self.migration_uri,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    vms: list[drain.DrainVM]
+    candidates: list[drain.Candidate]
+    fabric: drain.Fabric
+    unreadable: dict[str, str]  # VMs the source could not describe, with why
+
+
+def vm_from_inventory(entry: dict[str, Any], max_downtime_ms: int) -> drain.DrainVM:
+    dirty = entry["dirty"]
+    return drain.DrainVM(
+        name=entry["name"],
+        ram_bytes=int(entry["ram_bytes"]),
+        resident_bytes=int(entry["resident_bytes"]),
+        dirty=DirtyModel(float(dirty["m_pages"]), float(dirty["tau_s"])),
+        file_backed=bool(entry["file_backed"]),
+        postcopy_blocker=entry.get("postcopy_blocker"),
+        max_downtime_ms=max_downtime_ms,
+    )
+
+
+def candidate_from_agent(host: HostEndpoint) -> drain.Candidate:
+    try:
+        facts = host.agent.get("/v1/facts")
+        return drain.Candidate(
+            host.name, int(facts["free_for_vms_bytes"]), int(facts["store_free_bytes"])
+        )
+    except (exceptions.FlexMigError, KeyError, TypeError, ValueError) as exc:
+        return drain.Candidate(host.name, 0, 0, refusal=f"its agent did not answer: {exc}")
+
+
+def fabric_from(
+    links: dict[str, dict[str, Any]], initial_stream_bps: float, link_mib: int = 0
+) -> drain.Fabric:
+    """The shared link and one stream's rate from what the source agent measured.
+
+    The link is the slowest probed path (all streams leave through the
+    source's uplink); one stream's rate is what earlier migrations achieved,
+    else the agent's configured first guess.
+
+    >>> links = {"b": {"fabric_bps": 200 * MIB, "stream_bps": None, "setup_s": 0,
+    ...                "switchover_s": 0.05}}
+    >>> f = fabric_from(links, 256 * MIB)
+    >>> f.link_bps / MIB, f.stream_bps / MIB
+    (200.0, 200.0)
+    >>> fabric_from(links, 256 * MIB, link_mib=100).link_bps / MIB
+    100.0
+    """
+    probed = [v["fabric_bps"] for v in links.values() if v.get("fabric_bps")]
+    link = link_mib * MIB if link_mib else min(probed, default=initial_stream_bps)
+    learned = [v["stream_bps"] for v in links.values() if v.get("stream_bps")]
+    stream = max(learned, default=initial_stream_bps)
+    setups = [v["setup_s"] for v in links.values() if v.get("stream_bps")]
+    switchovers = [v["switchover_s"] for v in links.values() if v.get("stream_bps")]
+    return drain.Fabric(
+        link_bps=link,
+        stream_bps=min(stream, link),
+        setup_s=(statistics.mean(setups) if setups else 0.5) + AGENT_OVERHEAD_S,
+        switchover_s=statistics.mean(switchovers) if switchovers else 0.05,
+    )
+
+
+def gather(
+    source: HostEndpoint,
+    destinations: list[HostEndpoint],
+    max_downtime_ms: int | None = None,
+    link_mib: int = 0,
+) -> Inputs:
+    """Everything the planner needs, read from the agents."""
+    reachable = [(d, candidate_from_agent(d)) for d in destinations]
+    probe = [{"address": d.address, "port": d.port} for d, c in reachable if c.refusal is None]
+    inventory = source.agent.post("/v1/inventory", {"probe": probe}, timeout=120.0)
+    downtime = max_downtime_ms or int(inventory["max_downtime_ms"])
+    vms, unreadable = [], {}
+    for entry in inventory["vms"]:
+        if "error" in entry:
+            unreadable[entry["name"]] = f"the source could not describe it: {entry['error']}"
+        else:
+            vms.append(vm_from_inventory(entry, downtime))
+    return Inputs(
+        vms=vms,
+        candidates=[c for _, c in reachable],
+        fabric=fabric_from(inventory["links"], float(inventory["initial_stream_bps"]), link_mib),
+        unreadable=unreadable,
+    )
+
+
+class AgentBackend:
+    """Starts each planned migration on the source agent with the plan's mode."""
+
+    def __init__(
+        self,
+        source: HostEndpoint,
+        destinations: list[HostEndpoint],
+        max_downtime_ms: int | None = None,
+    ) -> None:
+        self.source = source
+        self.destinations = {d.name: d for d in destinations}
+        self.max_downtime_ms = max_downtime_ms  # None: the agent's configured budget
+
+    def start(self, move: drain.Move) -> str:
+        body = {
+            "vm": move.vm,
+            "mode": move.mode,
+            "dest": self.destinations[move.dest].dest_body(),
+        }
+        if self.max_downtime_ms:
+            body["max_downtime_ms"] = self.max_downtime_ms
+        return str(self.source.agent.post("/v1/migrations", body)["id"])
+
+    def poll(self, handle: str, move: drain.Move) -> drain_run.Status:
+        record = self.source.agent.get(f"/v1/migrations/{handle}")
+        processed = int(record.get("progress", {}).get("memory_processed", 0))
+        predicted = max(1, move.decision.prediction.total_bytes)
+        state = {"completed": "completed", "failed": "failed"}.get(record["state"], "running")
+        summary = record.get("summary") or {}
+        return drain_run.Status(
+            state=state,
+            fraction=min(1.0, processed / predicted) if state == "running" else 1.0,
+            mode=record.get("mode"),
+            note=record.get("error") or "",
+            measured={
+                k: summary.get(k)
+                for k in ("total_time_ms", "downtime_ms", "bytes_moved", "switched_to_postcopy")
+            },
+        )

@@ -1,0 +1,127 @@
+"""``flexmig drain <host>`` in the lab: plan, show, run, verify every guest.
+
+The lab supplies the hosts' endpoints and, after the drain, each moved
+guest's own check of its memory (``verify``: bad and lost pages).
+"""
+
+from __future__ import annotations
+
+import signal
+from collections.abc import Callable
+from typing import Any
+
+from flexmig import drain_agents, drain_run, exceptions
+from flexmig.lab import topology
+from flexmig.lab import vm as lab_vm
+from flexmig.lab.lab import Lab
+from flexmig.migrate_cli import AGENT_PORT
+from flexmig.policy import drain
+
+
+def endpoints(lab: Lab) -> dict[str, drain_agents.HostEndpoint]:
+    return {
+        spec.name: drain_agents.HostEndpoint(
+            name=spec.name,
+            agent=lab.agent(spec.name),
+            address=spec.mgmt_ip,
+            port=AGENT_PORT,
+            libvirt_uri=spec.libvirt_uri,
+            migration_uri=spec.migration_uri,
+        )
+        for spec in lab.specs
+    }
+
+
+def prepare(
+    lab: Lab,
+    source: str,
+    max_concurrency: int = 4,
+    link_mib: int = 0,
+    max_downtime_ms: int | None = None,
+) -> tuple[drain.DrainPlan, drain_agents.Inputs, drain_run.Backend]:
+    """Gather the facts and plan; nothing moves."""
+    hosts = endpoints(lab)
+    src = topology.host_by_name(lab.specs, source).name
+    dests = [h for name, h in hosts.items() if name != src]
+    inputs = drain_agents.gather(hosts[src], dests, max_downtime_ms, link_mib)
+    plan = drain.plan(src, inputs.vms, inputs.candidates, inputs.fabric, max_concurrency)
+    if inputs.unreadable:
+        plan = drain.DrainPlan(
+            plan.source,
+            plan.concurrency,
+            plan.moves,
+            {**plan.unplaceable, **inputs.unreadable},
+            plan.alternatives,
+            plan.fabric,
+        )
+    backend = drain_agents.AgentBackend(hosts[src], dests, max_downtime_ms)
+    return plan, inputs, backend
+
+
+def execute(
+    lab: Lab,
+    plan: drain.DrainPlan,
+    inputs: drain_agents.Inputs,
+    backend: drain_run.Backend,
+    max_concurrency: int,
+    on_event: Callable[[str], None] = print,
+    verify: bool = True,
+    started: Callable[[drain_run.DrainRun], None] | None = None,
+) -> drain_run.DrainReport:
+    """Run the plan; the first SIGINT aborts (start nothing more), a second one stops."""
+    run = drain_run.DrainRun(
+        plan, inputs.vms, inputs.candidates, backend, max_concurrency, on_event
+    )
+    if started is not None:
+        started(run)
+
+    def on_sigint(_sig: int, _frame: Any) -> None:
+        on_event("drain: abort requested; running migrations finish or roll back")
+        run.abort()
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    previous = _install(on_sigint)
+    try:
+        report = run.run()
+    finally:
+        _restore(previous)
+    if verify:
+        _verify(lab, report)
+    return report
+
+
+def _install(handler: Callable[[int, Any], None]) -> Any:
+    try:
+        return signal.signal(signal.SIGINT, handler)
+    except ValueError:  # not the main thread (tests run a drain in a thread)
+        return None
+
+
+def _restore(previous: Any) -> None:
+    if previous is not None:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _verify(lab: Lab, report: drain_run.DrainReport) -> None:
+    """Every guest checks its memory where it runs now, moved or not."""
+    for out in report.outcomes:
+        guest = lab_vm.LabVM(lab, out.vm)
+        where = guest.locate()
+        if where is None:
+            check = {"bad": -1, "lost": -1}
+        else:
+            try:
+                check = guest.verify()
+            except exceptions.GuestError as exc:
+                if "no-workset" not in str(exc):
+                    raise
+                continue  # no dirtier, nothing to check: its kernel booted and runs
+        report.measured.setdefault(out.vm, {}).update(
+            {"running_on": where, "bad": check.get("bad"), "lost": check.get("lost")}
+        )
+
+
+def guests_ok(report: drain_run.DrainReport) -> bool:
+    return all(
+        m.get("bad") == 0 and m.get("lost") == 0 for m in report.measured.values() if "bad" in m
+    )

@@ -1,0 +1,479 @@
+"""Planning a host drain: every VM's destination, mode, start and the concurrency.
+
+Emptying a host is many migrations sharing one uplink.  Nova runs them one at
+a time in listing order with the same knobs for all; here the plan is made
+from what FlexMig knows per VM (its fitted dirty model, RAM, backing) and per
+destination (RAM it offers VMs, store space):
+
+1. placement — largest VM first onto the destination with the most RAM left
+   (whole: RAM plus QEMU's own free, as the agent checks; a landed VM then
+   takes its RAM off what the host offers); a VM no destination holds whole is split
+   onto the one with the most RAM left after the whole VMs, and waits for
+   them; a VM that fits nowhere is reported before anything moves;
+2. modes at a share — with c streams at once each gets ``link / c`` (capped
+   at what one stream achieves); a VM whose precopy converges alone but not
+   at that share gets postcopy where it can, else it runs *solo*;
+3. concurrency — each c from 1 to the maximum is simulated
+   (``drain_schedule``), the soonest finish wins (fewer streams on a tie).
+
+Pure functions: the CLI, the agents and the Nova path gather the inputs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping, Sequence
+
+from flexmig import exceptions
+from flexmig.policy import drain_schedule
+from flexmig.policy.decision import QEMU_OVERHEAD_BYTES, Decision, MigrationInputs, decide
+from flexmig.policy.dirty_model import DirtyModel
+
+MIB = 2**20
+# Nova's own limit is 1; past a few streams a 2-core host spends more on
+# context switches than the overlap saves, and every stream's share shrinks.
+MAX_CONCURRENCY = 8
+# Split keeps at least this much of the VM resident (see decision._split_blocker).
+MIN_SPLIT_HOT_BYTES = 64 * MIB
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainVM:
+    name: str
+    ram_bytes: int
+    resident_bytes: int
+    dirty: DirtyModel
+    file_backed: bool
+    postcopy_blocker: str | None = None
+    max_downtime_ms: int = 300
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A destination host and what it offers."""
+
+    name: str
+    free_for_vms_bytes: int
+    store_free_bytes: int
+    refusal: str | None = None  # why this host takes nothing (down, disabled)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fabric:
+    link_bps: float  # the source's uplink, shared by every stream
+    stream_bps: float  # what one migration stream achieves alone
+    setup_s: float = 0.5  # per migration, before pages move (agents, libvirt)
+    switchover_s: float = 0.05
+
+    def share(self, streams: int) -> float:
+        return drain_schedule.share_bps(self.link_bps, self.stream_bps, streams)
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    vm: str
+    dest: str
+    split: bool
+    free_bytes: int  # what the destination offers this VM (split: its resident budget + QEMU)
+    waits_for: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Move:
+    """One VM's part of the plan."""
+
+    vm: str
+    dest: str
+    decision: Decision
+    solo: bool
+    bandwidth_bps: float  # the share its mode was chosen at
+    start_s: float
+    end_s: float
+    waits_for: tuple[str, ...]
+    why: str
+
+    @property
+    def mode(self) -> str:
+        return self.decision.mode
+
+
+@dataclasses.dataclass(frozen=True)
+class DrainPlan:
+    source: str
+    concurrency: int
+    moves: tuple[Move, ...]  # in start order
+    unplaceable: dict[str, str]  # VM -> why no host can take it
+    alternatives: dict[int, float]  # concurrency -> simulated total seconds
+    fabric: Fabric
+
+    @property
+    def total_s(self) -> float:
+        return max((m.end_s for m in self.moves), default=0.0)
+
+    def explain(self) -> str:
+        lines = [
+            f"drain {self.source}: {len(self.moves)} VM(s), {self.concurrency} at once, "
+            f"predicted {self.total_s:.1f} s "
+            f"(link {self.fabric.link_bps / MIB:.0f} MiB/s, one stream "
+            f"{self.fabric.stream_bps / MIB:.0f} MiB/s)",
+            "  concurrency: "
+            + ", ".join(f"{c} -> {t:.1f} s" for c, t in sorted(self.alternatives.items())),
+        ]
+        for vm, why in self.unplaceable.items():
+            lines.append(f"  {vm}: STAYS — {why}")
+        for move in self.moves:
+            lines.append(
+                f"  {move.vm} -> {move.dest} {move.mode.upper()}"
+                f"{' (solo)' if move.solo else ''}: {move.start_s:.1f}..{move.end_s:.1f} s"
+                f" at {move.bandwidth_bps / MIB:.0f} MiB/s — {move.why}"
+            )
+        return "\n".join(lines)
+
+
+def _validate(vms: Sequence[DrainVM], candidates: Sequence[Candidate], fabric: Fabric) -> None:
+    problems = []
+    names = [vm.name for vm in vms]
+    if len(set(names)) != len(names):
+        problems.append("VM names repeat")
+    if len({c.name for c in candidates}) != len(candidates):
+        problems.append("destination names repeat")
+    if fabric.link_bps <= 0 or fabric.stream_bps <= 0:
+        problems.append("link and stream bandwidth must be > 0")
+    if fabric.setup_s < 0 or fabric.switchover_s < 0:
+        problems.append("setup and switchover times must be >= 0")
+    for vm in vms:
+        if vm.ram_bytes <= 0 or not 0 <= vm.resident_bytes <= vm.ram_bytes:
+            problems.append(f"{vm.name}: RAM must be > 0 and resident bytes within it")
+    if problems:
+        raise exceptions.InvalidInput(what="drain inputs", reason="; ".join(problems))
+
+
+def _split_refusal(vm: DrainVM, dest: Candidate, free: int, store: int) -> str | None:
+    if not vm.file_backed:
+        return "its memory is not file-backed, so split cannot place it"
+    if store < vm.ram_bytes:
+        return f"{dest.name}'s store has {store // MIB} MiB left"
+    if free < QEMU_OVERHEAD_BYTES + MIN_SPLIT_HOT_BYTES:
+        return f"{dest.name} has {free // MIB} MiB left, below QEMU's own plus a minimal hot set"
+    return None
+
+
+def place(
+    vms: Sequence[DrainVM], candidates: Sequence[Candidate]
+) -> tuple[list[Placement], dict[str, str]]:
+    """Destinations for every VM that can go somewhere; the others with the reason.
+
+    Two greedy orders are tried, largest VM first and smallest first (which
+    keeps small VMs whole and splits a big one when the big one whole would
+    leave them nowhere); the one leaving fewer VMs behind, then fewer split,
+    wins.
+
+    >>> vm = lambda n, mib, fb=True: DrainVM(n, mib * MIB, mib * MIB, DirtyModel(0, 1), fb)
+    >>> hosts = [Candidate("B", 1000 * MIB, 4096 * MIB), Candidate("C", 700 * MIB, 0)]
+    >>> placed, refused = place([vm("a", 256), vm("b", 256), vm("big", 900)], hosts)
+    >>> [(p.vm, p.dest, p.split, p.waits_for) for p in placed]
+    [('a', 'B', False, ()), ('b', 'B', False, ()), ('big', 'B', True, ('a', 'b'))]
+    >>> for part in place([vm("huge", 900, fb=False)], hosts)[1]["huge"].split("; "):
+    ...     print(part)
+    needs 1060 MiB whole (RAM + QEMU), the most any destination has is 1000 MiB
+    split: its memory is not file-backed, so split cannot place it
+    """
+    tries = [
+        _place_in_order(sorted(vms, key=lambda v: (sign * v.ram_bytes, v.name)), candidates)
+        for sign in (-1, 1)
+    ]
+    return min(tries, key=lambda t: (len(t[1]), sum(p.split for p in t[0])))
+
+
+def _place_in_order(
+    vms: Sequence[DrainVM], candidates: Sequence[Candidate]
+) -> tuple[list[Placement], dict[str, str]]:
+    usable = [c for c in candidates if c.refusal is None]
+    free = {c.name: c.free_for_vms_bytes for c in usable}
+    store = {c.name: c.store_free_bytes for c in usable}
+    placed: list[Placement] = []
+    deferred: list[DrainVM] = []
+    for vm in vms:
+        need = vm.ram_bytes + QEMU_OVERHEAD_BYTES
+        fits = [c.name for c in usable if free[c.name] >= need]
+        if not fits:
+            deferred.append(vm)
+            continue
+        dest = max(fits, key=lambda name: free[name])
+        placed.append(Placement(vm.name, dest, split=False, free_bytes=free[dest]))
+        # The agents' accounting: a landed VM takes its RAM from what the host
+        # offers; QEMU's own memory is asked of the incoming VM only.
+        free[dest] -= vm.ram_bytes
+    refused: dict[str, str] = {}
+    for vm in deferred:
+        dest, why = _split_destination(vm, usable, free, store)
+        if dest is None:
+            most = max(free.values(), default=0)
+            refused[vm.name] = (
+                f"needs {(vm.ram_bytes + QEMU_OVERHEAD_BYTES) // MIB} MiB whole (RAM + QEMU), "
+                f"the most any destination has is {most // MIB} MiB; split: {why}"
+            )
+            continue
+        waits = tuple(p.vm for p in placed if p.dest == dest)
+        placed.append(Placement(vm.name, dest, True, free_bytes=free[dest], waits_for=waits))
+        free[dest], store[dest] = 0, store[dest] - vm.ram_bytes
+    return placed, refused
+
+
+def _split_destination(
+    vm: DrainVM, usable: Sequence[Candidate], free: Mapping[str, int], store: Mapping[str, int]
+) -> tuple[str | None, str]:
+    why = "no destination is available"
+    best = None
+    for c in sorted(usable, key=lambda c: -free[c.name]):
+        refusal = _split_refusal(vm, c, free[c.name], store[c.name])
+        if refusal is None:
+            best = c.name
+            break
+        why = refusal if why == "no destination is available" else why
+    return best, why
+
+
+def _inputs(
+    vm: DrainVM, dest_free: int, dest_store: int, fabric: Fabric, bw: float
+) -> MigrationInputs:
+    return MigrationInputs(
+        vm=vm.name,
+        ram_bytes=vm.ram_bytes,
+        resident_bytes=vm.resident_bytes,
+        dirty=vm.dirty,
+        bandwidth_bps=bw,
+        dest_free_bytes=dest_free,
+        dest_store_free_bytes=dest_store,
+        file_backed=vm.file_backed,
+        max_downtime_ms=vm.max_downtime_ms,
+        postcopy_blocker=vm.postcopy_blocker,
+        setup_s=fabric.setup_s,
+        switchover_s=fabric.switchover_s,
+    )
+
+
+def _mode_at_share(
+    vm: DrainVM, placement: Placement, fabric: Fabric, streams: int
+) -> tuple[Decision, bool, float, str]:
+    """(decision, solo, bandwidth it was made at, why) for a VM sharing the link."""
+    free = placement.free_bytes
+    store = vm.ram_bytes if placement.split else 0
+    shared = fabric.share(streams)
+    decision = decide(_inputs(vm, free, store, fabric, shared))
+    converges = decision.transfer == "postcopy" or decision.prediction.converged
+    if converges or streams == 1:
+        why = (
+            decision.reasons[2] if streams == 1 else f"{decision.reasons[2]} at a 1/{streams} share"
+        )
+        return decision, False, shared, why
+    alone = decide(_inputs(vm, free, store, fabric, fabric.share(1)))
+    if alone.prediction.converged:
+        return (
+            alone,
+            True,
+            fabric.share(1),
+            f"precopy converges only with the link to itself ({alone.reasons[2]}); "
+            f"at a 1/{streams} share it would not, and postcopy is out "
+            f"({vm.postcopy_blocker or 'not allowed'})",
+        )
+    return decision, False, shared, decision.reasons[2]
+
+
+def _works(
+    vms: Mapping[str, DrainVM], placements: Sequence[Placement], fabric: Fabric, streams: int
+) -> tuple[list[drain_schedule.Work], dict[str, tuple[Decision, bool, float, str]]]:
+    chosen = {p.vm: _mode_at_share(vms[p.vm], p, fabric, streams) for p in placements}
+    works = []
+    for p in placements:
+        decision, solo, bw, _ = chosen[p.vm]
+        pred = decision.prediction
+        moved = float(pred.total_bytes)
+        works.append(
+            drain_schedule.Work(
+                p.vm,
+                fixed_s=max(0.0, pred.total_time_s - moved / bw),
+                bytes=moved,
+                solo=solo,
+                after=p.waits_for,
+            )
+        )
+    # Solo migrations first (the link is quiet and their timing the least sure),
+    # then longest first (list scheduling's classic rule against a long tail);
+    # a split VM waits for its destination's whole VMs anyway, so it goes last.
+    works.sort(key=lambda w: (not w.solo, bool(w.after), -(w.fixed_s + w.bytes / fabric.share(1))))
+    return works, chosen
+
+
+def plan(
+    source: str,
+    vms: Sequence[DrainVM],
+    candidates: Sequence[Candidate],
+    fabric: Fabric,
+    max_concurrency: int = 4,
+) -> DrainPlan:
+    """The drain that finishes soonest, explained per VM and in total.
+
+    Four idle 256 MiB VMs, 64 MiB touched each, 1 s of fixed cost per migration,
+    a 100 MiB/s link one stream fills alone: running them together overlaps
+    the fixed costs.
+
+    >>> vms = [DrainVM(f"vm{i}", 256 * MIB, 64 * MIB, DirtyModel(0, 1), True) for i in range(4)]
+    >>> hosts = [Candidate("B", 2048 * MIB, 0), Candidate("C", 2048 * MIB, 0)]
+    >>> p = plan("A", vms, hosts, Fabric(100 * MIB, 100 * MIB, setup_s=1.0, switchover_s=0.0))
+    >>> p.concurrency, round(p.total_s, 2), round(p.alternatives[1], 2)
+    (4, 3.56, 6.56)
+    """
+    if not 1 <= max_concurrency <= MAX_CONCURRENCY:
+        raise exceptions.InvalidInput(
+            what="max concurrency", reason=f"{max_concurrency} not in 1..{MAX_CONCURRENCY}"
+        )
+    _validate(vms, candidates, fabric)
+    placements, refused = place(vms, candidates)
+    by_name = {vm.name: vm for vm in vms}
+    dests = {p.vm: p for p in placements}
+    best = None
+    alternatives: dict[int, float] = {}
+    for streams in range(1, min(max_concurrency, max(1, len(placements))) + 1):
+        works, chosen = _works(by_name, placements, fabric, streams)
+        slots = drain_schedule.simulate(works, streams, fabric.link_bps, fabric.stream_bps)
+        alternatives[streams] = drain_schedule.makespan(slots)
+        if best is None or alternatives[streams] < alternatives[best[0]] - 1e-6:
+            best = (streams, slots, chosen)
+    moves: list[Move] = []
+    if best is not None:
+        streams, slots, chosen = best
+        for slot in sorted(slots, key=lambda s: (s.start_s, s.name)):
+            decision, solo, bw, why = chosen[slot.name]
+            moves.append(
+                Move(
+                    slot.name,
+                    dests[slot.name].dest,
+                    decision,
+                    solo,
+                    bw,
+                    slot.start_s,
+                    slot.end_s,
+                    dests[slot.name].waits_for,
+                    why,
+                )
+            )
+    return DrainPlan(
+        source=source,
+        concurrency=best[0] if best else 0,
+        moves=tuple(moves),
+        unplaceable=refused,
+        alternatives=alternatives,
+        fabric=fabric,
+    )
+
+
+def without(candidates: Iterable[Candidate], moves: Iterable[Move]) -> list[Candidate]:
+    """Candidates with the RAM and store already promised to ``moves`` taken off.
+
+    Re-planning the rest of a drain starts from here: what has started keeps
+    its destination.
+    """
+    taken: dict[str, int] = {}
+    stored: dict[str, int] = {}
+    for move in moves:
+        split = move.mode == "split"
+        taken[move.dest] = taken.get(move.dest, 0) + (
+            move.decision.ram_bytes if not split else 1 << 62
+        )
+        if split:
+            stored[move.dest] = stored.get(move.dest, 0) + move.decision.ram_bytes
+    return [
+        dataclasses.replace(
+            c,
+            free_for_vms_bytes=max(0, c.free_for_vms_bytes - taken.get(c.name, 0)),
+            store_free_bytes=max(0, c.store_free_bytes - stored.get(c.name, 0)),
+        )
+        for c in candidates
+    ]
+
+
+def slowdown(planned_s: float, elapsed_s: float, fraction_done: float) -> float:
+    """How much slower than planned a running migration goes (1.0: on plan).
+
+    The projection is elapsed / fraction done; early on (under 10% done) the
+    elapsed time alone is the evidence.
+
+    >>> slowdown(10.0, 5.0, 0.5)
+    1.0
+    >>> slowdown(10.0, 8.0, 0.4)
+    2.0
+    >>> slowdown(10.0, 15.0, 0.0)
+    1.5
+    """
+    if planned_s <= 0:
+        return 1.0
+    projected = elapsed_s / fraction_done if fraction_done >= 0.1 else elapsed_s
+    return max(1.0, projected / planned_s)
+
+
+def replan(
+    current: DrainPlan,
+    remaining: Sequence[DrainVM],
+    candidates: Sequence[Candidate],
+    started: Sequence[Move],
+    factor: float,
+    max_concurrency: int,
+) -> DrainPlan:
+    """The rest of a drain when migrations run ``factor`` times slower than planned.
+
+    The link is taken to be that much slower; what has started keeps its
+    destination and RAM.
+    """
+    fabric = dataclasses.replace(
+        current.fabric,
+        link_bps=current.fabric.link_bps / factor,
+        stream_bps=current.fabric.stream_bps / factor,
+    )
+    return plan(current.source, remaining, without(candidates, started), fabric, max_concurrency)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """What happened to one VM of a drain."""
+
+    vm: str
+    state: str  # completed | failed | skipped | unplaceable
+    start_s: float | None = None
+    end_s: float | None = None
+    mode: str | None = None
+    dest: str | None = None
+    note: str = ""
+
+
+def compare(plan_: DrainPlan, outcomes: Sequence[Outcome], measured_total_s: float) -> str:
+    """Predicted against measured, per VM and in total, as a table.
+
+    >>> vms = [DrainVM("a", 256 * MIB, 64 * MIB, DirtyModel(0, 1), True)]
+    >>> p = plan("A", vms, [Candidate("B", 2048 * MIB, 0)], Fabric(100 * MIB, 100 * MIB))
+    >>> print(compare(p, [Outcome("a", "completed", 0.0, 1.2, "precopy", "B")], 1.3))
+    VM    dest  mode      state       predicted s  measured s
+    a     B     precopy   completed           1.2         1.2
+    total                                     1.2         1.3  (measured/predicted 1.09)
+    """
+    predicted = {m.vm: m for m in plan_.moves}
+    rows = [
+        f"{'VM':<5} {'dest':<5} {'mode':<9} {'state':<11} {'predicted s':>11} {'measured s':>11}"
+    ]
+    for out in outcomes:
+        move = predicted.get(out.vm)
+        pred = f"{move.end_s - move.start_s:.1f}" if move else "-"
+        took = (
+            f"{out.end_s - out.start_s:.1f}"
+            if out.end_s is not None and out.start_s is not None
+            else "-"
+        )
+        mode = out.mode or (move.mode if move else "-")
+        dest = out.dest or (move.dest if move else "-")
+        rows.append(f"{out.vm:<5} {dest:<5} {mode:<9} {out.state:<11} {pred:>11} {took:>11}")
+    ratio = measured_total_s / plan_.total_s if plan_.total_s > 0 else float("nan")
+    rows.append(
+        f"{'total':<33} {plan_.total_s:>11.1f} {measured_total_s:>11.1f}  "
+        f"(measured/predicted {ratio:.2f})"
+    )
+    return "\n".join(rows)

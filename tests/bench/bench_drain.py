@@ -1,0 +1,299 @@
+"""Draining one host: Nova's default way, fixed concurrency, FlexMig's plan, in one run.
+
+    .venv/bin/python -m tests.bench.bench_drain [--out FILE] [--strategies ...]
+
+Lab: 4 hosts; host A runs seven small TCG guests of mixed workloads (idle,
+moderate, hot, and one too big for any destination's free RAM); A's uplink is
+shaped to LINK_MIB MiB/s in both directions (every migration leaving A
+shares it); B, C and D offer BUDGET_MB MiB to VMs.  Each strategy gets the
+same fresh guests on A, in the same listing order, and drains A:
+
+- nova-serial: Nova's default (``max_concurrent_live_migrations = 1``):
+  one at a time in listing order, libvirt precopy as Nova drives it
+  (peer-to-peer; downtime 500 ms reached in 10 steps, 75 s per GiB apart; no
+  postcopy, no auto-converge; aborted after the completion timeout, 800 s per
+  GiB of RAM); each VM to the destination with the most free RAM that holds
+  it with QEMU's own (Nova's RAM weigher); a VM none holds is NoValidHost;
+- fixed-2, fixed-4: the same, 2 or 4 at once;
+- flexmig: ``flexmig drain A`` (plan, then run it), timed from the moment
+  the drain starts asking the agents, sampling included.
+
+Every guest runs ``verify`` afterwards (bad or lost pages); "moved" counts
+VMs that left A.  Each strategy holds the lab lock exclusively (under 15 min).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import datetime
+import fcntl
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from flexmig import drain_cli, exceptions
+from flexmig.lab import commands, image, topology, vm
+from flexmig.lab.lab import Lab
+
+MIB = 2**20
+LINK_MIB = 48
+BUDGET_MB = 800
+QEMU_OVERHEAD_MB = 160
+LOCK = Path("/work/wt/lab.lock")
+DEFAULT_OUT = Path("docs/benchmarks/drain.md")
+# Listing order (Nova lists a host's servers in creation order here).
+GUESTS = (
+    ("d-idle1", "256M", "dirtier:wss=32M,rate=0", "file"),
+    ("d-hot", "256M", "dirtier:wss=128M,rate=30000", "anonymous"),
+    ("d-mod1", "256M", "dirtier:wss=64M,rate=2000", "file"),
+    ("d-big", "384M", "dirtier:wss=64M,rate=1000", "file"),
+    ("d-idle2", "256M", "dirtier:wss=32M,rate=0", "file"),
+    ("d-mod2", "256M", "dirtier:wss=64M,rate=2000", "file"),
+    ("d-idle3", "256M", "dirtier:wss=32M,rate=0", "file"),
+)
+STRATEGIES = ("nova-serial", "fixed-2", "fixed-4", "flexmig")
+COMPLETION_TIMEOUT_S_PER_GIB = 800
+
+
+@contextlib.contextmanager
+def lab_lock(exclusive: bool) -> Iterator[None]:
+    with open(LOCK, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def shape_uplink(lab: Lab, host: str, mib: int) -> None:
+    """Token-bucket A's management uplink both ways: the link all drains share."""
+    spec = topology.host_by_name(lab.specs, host)
+    rate = f"{mib * 8 * 1.048576:.0f}mbit"
+    for ns, dev in (
+        (spec.netns, topology.HOST_MGMT_IF),
+        (topology.FABRIC_NETNS, spec.fabric_mgmt_if),
+    ):
+        commands.run(
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "replace",
+                "dev",
+                dev,
+                "root",
+                "tbf",
+                "rate",
+                rate,
+                "burst",
+                "512kb",
+                "latency",
+                "100ms",
+            ]
+        )
+
+
+def nova_steps(ram_gib: float) -> list[tuple[float, int]]:
+    from tests.bench.bench_modes import nova_downtime_steps
+
+    return nova_downtime_steps(ram_gib)
+
+
+def nova_control(ram_gib: float):
+    steps = nova_steps(ram_gib)
+    timeout = COMPLETION_TIMEOUT_S_PER_GIB * ram_gib
+    applied = {"index": -1}
+
+    def control(dom, stats, elapsed):
+        index = max(i for i, (at, _) in enumerate(steps) if elapsed >= at)
+        if index != applied["index"]:
+            dom.migrateSetMaxDowntime(steps[index][1])
+            applied["index"] = index
+        if elapsed > timeout:
+            dom.abortJob()
+
+    return control
+
+
+def nova_placement(guests, budgets: dict[str, int]) -> dict[str, str | None]:
+    """Nova's RAM weigher: the most free RAM that holds the VM with QEMU's own."""
+    free = dict(budgets)
+    where: dict[str, str | None] = {}
+    for name, ram, _, _ in guests:
+        mib = int(ram.rstrip("M"))
+        fits = [h for h, f in free.items() if f >= mib + QEMU_OVERHEAD_MB]
+        dest = max(fits, key=lambda h: free[h]) if fits else None
+        where[name] = dest
+        if dest:
+            free[dest] -= mib
+    return where
+
+
+def run_nova(lab: Lab, concurrency: int, budgets: dict[str, int]) -> dict[str, Any]:
+    where = nova_placement(GUESTS, budgets)
+    outcomes: dict[str, str] = {n: "NoValidHost" for n, d in where.items() if d is None}
+    ram = {n: int(r.rstrip("M")) / 1024 for n, r, _, _ in GUESTS}
+    lock = threading.Lock()
+
+    def one(name: str) -> None:
+        try:
+            vm.migrate_plain(lab, name, where[name], control=nova_control(ram[name]))
+            state = "moved"
+        except exceptions.FlexMigError as exc:
+            state = f"failed: {str(exc)[:50]}"
+        with lock:
+            outcomes[name] = state
+
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+        list(pool.map(one, [n for n, d in where.items() if d is not None]))
+    return {"total_s": time.monotonic() - t0, "outcomes": outcomes}
+
+
+def run_flexmig(lab: Lab) -> dict[str, Any]:
+    t0 = time.monotonic()
+    plan, inputs, backend = drain_cli.prepare(lab, "A", max_concurrency=4)
+    gathered = time.monotonic() - t0
+    print(plan.explain(), flush=True)
+    report = drain_cli.execute(lab, plan, inputs, backend, 4, verify=False)
+    print(report.table(), flush=True)
+    outcomes = {
+        o.vm: ("moved" if o.state == "completed" else f"{o.state}: {o.note[:50]}")
+        for o in report.outcomes
+    }
+    return {
+        "total_s": time.monotonic() - t0,
+        "outcomes": outcomes,
+        "gather_s": gathered,
+        "predicted_s": plan.total_s,
+        "executed_s": report.total_s,
+        "plan": plan.explain(),
+        "table": report.table(),
+        "concurrency": plan.concurrency,
+    }
+
+
+def make_guests(lab: Lab) -> None:
+    for name in vm.list_vms(lab):
+        vm.destroy(lab, name)
+    for name, ram, workload, backing in GUESTS:
+        vm.create(lab, "A", ram=ram, workload=workload, memory_backing=backing, name=name)
+    time.sleep(3)  # dirtiers into their stride
+
+
+def check_guests(lab: Lab) -> tuple[int, int, int]:
+    """(moved off A, bad pages, lost pages) over every guest."""
+    moved = bad = lost = 0
+    for name, _, _, _ in GUESTS:
+        guest = vm.LabVM(lab, name)
+        where = guest.locate()
+        moved += where not in (None, "A")
+        result = guest.verify()
+        bad, lost = bad + result["bad"], lost + result["lost"]
+    return moved, bad, lost
+
+
+def one_strategy(lab: Lab, strategy: str) -> dict[str, Any]:
+    budgets = {h: BUDGET_MB for h in "BCD"}
+    make_guests(lab)
+    if strategy == "flexmig":
+        result = run_flexmig(lab)
+    else:
+        concurrency = 1 if strategy == "nova-serial" else int(strategy.split("-")[1])
+        result = run_nova(lab, concurrency, budgets)
+    result["moved"], result["bad"], result["lost"] = check_guests(lab)
+    print(f"{strategy}: {result['total_s']:.1f} s, outcomes {result['outcomes']}", flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--strategies", default=",".join(STRATEGIES))
+    parser.add_argument("--keep", action="store_true", help="leave the lab up")
+    args = parser.parse_args()
+    strategies = args.strategies.split(",")
+    image.build()
+    lab = Lab()
+    with lab_lock(exclusive=False):
+        lab.up(4)
+        for host in "BCD":
+            lab.set_budget(host, BUDGET_MB)
+        shape_uplink(lab, "A", LINK_MIB)
+    results = {}
+    try:
+        for strategy in strategies:
+            with lab_lock(exclusive=True):
+                results[strategy] = one_strategy(lab, strategy)
+    finally:
+        with lab_lock(exclusive=False):
+            for name in vm.list_vms(lab):
+                vm.destroy(lab, name)
+            if not args.keep:
+                lab.down()
+    write(args, strategies, results)
+
+
+def write(args, strategies, results) -> None:
+    base = results.get("nova-serial", {}).get("total_s")
+    rows = []
+    for s in strategies:
+        r = results[s]
+        failed = sum(1 for o in r["outcomes"].values() if o != "moved")
+        ratio = f"{r['total_s'] / base:.2f}" if base else "-"
+        rows.append(
+            f"| {s} | {r['total_s']:.1f} | {ratio} | {r['moved']}/{len(GUESTS)} | {failed} | "
+            f"{r['bad']} | {r['lost']} | "
+            + "; ".join(f"{vm_}: {o}" for vm_, o in r["outcomes"].items() if o != "moved")
+            + " |"
+        )
+    fm = results.get("flexmig")
+    lines = [
+        f"# Draining a host ({datetime.date.today()})",
+        "",
+        "Command: `.venv/bin/python -m tests.bench.bench_drain"
+        + (f" --strategies {args.strategies}" if args.strategies != ",".join(STRATEGIES) else "")
+        + "`",
+        "",
+        f"Lab: 4 hosts, A drained; A's uplink shaped to {LINK_MIB} MiB/s both ways (tbf); B, C, D "
+        f"offer {BUDGET_MB} MiB to VMs. Guests on A in listing order: "
+        + ", ".join(f"{n} ({r}, {w}, {b})" for n, r, w, b in GUESTS)
+        + ". TCG guests; load average at the end "
+        f"{os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (shared machine).",
+        "",
+        "| strategy | total s | vs nova-serial | moved off A | not moved | bad | lost "
+        "| not moved, why |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+    if fm:
+        lines += [
+            f"FlexMig: {fm['concurrency']} at once; facts gathered and planned in "
+            f"{fm['gather_s']:.1f} s, then executed in {fm['executed_s']:.1f} s against "
+            f"{fm['predicted_s']:.1f} s predicted (measured/predicted "
+            f"{fm['executed_s'] / fm['predicted_s']:.2f}).",
+            "",
+            "```",
+            fm["plan"],
+            "",
+            fm["table"],
+            "```",
+        ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
