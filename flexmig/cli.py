@@ -1,18 +1,21 @@
-"""The ``flexmig`` command line."""
+"""The ``flexmig`` command line: ``explain`` and ``migrate``.
+
+VMs and hosts are found through an inventory (entry point group
+``flexmig.inventories``): ``--inventory`` or ``$FLEXMIG_INVENTORY`` names it.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
+import os
 import sys
-import time
 
 from flexmig import exceptions, migrate_cli
-from flexmig.lab import endpoint_cli, image, vm
-from flexmig.lab.lab import Lab
-from flexmig.progress import MigrationProgress
 
-DEMO_WORKLOAD = "dirtier:wss=128M,rate=5000,pattern=random"
+INVENTORY_GROUP = "flexmig.inventories"
+DEFAULT_INVENTORY = "lab"
 
 
 def _print(data: object, as_json: bool) -> None:
@@ -25,152 +28,25 @@ def _print(data: object, as_json: bool) -> None:
         print(data)
 
 
-def cmd_lab_up(args: argparse.Namespace) -> int:
-    hosts = Lab().up(args.hosts)
-    for host in hosts:
-        print(
-            f"host {host.name}: netns {host.spec.netns}, {host.spec.mgmt_ip}, "
-            f"libvirt {host.spec.libvirt_uri}"
+def load_inventory(name: str) -> migrate_cli.Inventory:
+    """The inventory registered under ``name``, built with no arguments."""
+    found = {ep.name: ep for ep in importlib.metadata.entry_points(group=INVENTORY_GROUP)}
+    if name not in found:
+        raise exceptions.InvalidInput(
+            what="inventory",
+            reason=f"{name!r} is not installed (installed: {', '.join(sorted(found)) or 'none'})",
         )
-    return 0
-
-
-def cmd_lab_status(args: argparse.Namespace) -> int:
-    status = Lab().status()
-    if args.json:
-        _print(status, True)
-        return 0
-    if not status["up"]:
-        print(
-            "lab: down"
-            + (
-                f" (stray namespaces: {status['stray_namespaces']})"
-                if status["stray_namespaces"]
-                else ""
-            )
-        )
-        return 0
-    for host in status["hosts"]:  # type: ignore[union-attr]
-        daemons = " ".join(f"{d}={'up' if ok else 'DOWN'}" for d, ok in host["daemons"].items())
-        print(
-            f"host {host['name']} ({host['hostname']}, {host['mgmt_ip']}): "
-            f"namespace {host['namespace']}; {daemons}"
-        )
-    lab = Lab()
-    for name in vm.list_vms(lab):
-        print(f"vm {name}: on {vm.LabVM(lab, name).locate() or '(not running)'}")
-    return 0
-
-
-def cmd_lab_down(_args: argparse.Namespace) -> int:
-    Lab().down()
-    print("lab: down, nothing left behind")
-    return 0
-
-
-def cmd_image_build(_args: argparse.Namespace) -> int:
-    built = image.build()
-    print(f"kernel {built.kernel}\ninitrd {built.initrd}")
-    return 0
-
-
-def cmd_vm_create(args: argparse.Namespace) -> int:
-    created = vm.create(
-        Lab(),
-        args.host,
-        ram=args.ram,
-        vcpus=args.vcpus,
-        workload=args.workload,
-        memory_backing=args.memory_backing,
-        name=args.name,
-    )
-    spec = created.spec
-    print(
-        f"vm {spec.name}: running on {args.host.upper()}, {spec.ram_mib} MiB, "
-        f"{spec.vcpus} vCPU, workload {spec.workload.cmdline()}, tenant {spec.tenant_ip}"
-    )
-    return 0
-
-
-def cmd_vm_list(_args: argparse.Namespace) -> int:
-    lab = Lab()
-    for name in vm.list_vms(lab):
-        print(f"{name}\t{vm.LabVM(lab, name).locate() or '-'}")
-    return 0
-
-
-def cmd_vm_verify(args: argparse.Namespace) -> int:
-    result = vm.LabVM(Lab(), args.name).verify()
-    _print(result, args.json)
-    return 0 if result["bad"] == 0 and result["lost"] == 0 else 1
-
-
-def cmd_vm_heartbeat(args: argparse.Namespace) -> int:
-    _print(vm.LabVM(Lab(), args.name).heartbeat().as_dict(), args.json)
-    return 0
-
-
-def cmd_vm_destroy(args: argparse.Namespace) -> int:
-    vm.destroy(Lab(), args.name)
-    print(f"vm {args.name}: destroyed")
-    return 0
-
-
-def migrate_and_measure(lab: Lab, name: str, to: str) -> dict[str, object]:
-    """Plain libvirt precopy with progress; then the guest's own measurements."""
-    guest = vm.LabVM(lab, name)
-    source = guest.locate()
-    start_ns = time.monotonic_ns()
-    bar = MigrationProgress(f"{name} {source}->{to.upper()}")
-    stats = vm.migrate_plain(lab, name, to, progress=bar)
-    bar.finish()
-    guest.wait_heartbeat(host=to.upper())
-    beats = guest.heartbeat(since_ns=start_ns)
-    check = guest.verify()
-    return {
-        "vm": name,
-        "from": source,
-        "to": to.upper(),
-        "mode": "precopy (libvirt default)",
-        "total_time_ms": stats.get("time_elapsed"),
-        "libvirt_downtime_ms": stats.get("downtime"),
-        "guest_observed_downtime_ms": round(beats.longest_gap_ms, 1),
-        "bytes_moved": stats.get("memory_processed"),
-        "rounds": stats.get("memory_iteration"),
-        "heartbeat_hosts": "->".join(beats.hosts),
-        "verify": f"{check['bad']} bad, {check['lost']} lost of {check['pages']} pages",
-    }
-
-
-def cmd_vm_migrate(args: argparse.Namespace) -> int:
-    _print(migrate_and_measure(Lab(), args.name, args.to), args.json)
-    return 0
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    """The main job: lab up, a dirtying VM on A, live-migrate to B, report, lab down."""
-    lab = Lab()
-    print("== bringing up a two-host lab")
-    image.build()
-    lab.up(2)
-    try:
-        print(f"== booting vm 'demo' on host A with workload {args.workload}")
-        vm.create(lab, "A", ram=args.ram, workload=args.workload, name="demo")
-        time.sleep(2)  # let the dirtier get going so the migration has work to chase
-        print("== live-migrating demo A -> B")
-        summary = migrate_and_measure(lab, "demo", "B")
-        _print(summary, args.json)
-        ok = summary["verify"].startswith("0 bad, 0 lost")  # type: ignore[union-attr]
-    finally:
-        if not args.keep:
-            print("== tearing the lab down")
-            lab.down()
-    return 0 if ok else 1
+    return found[name].load()()
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
     plan = migrate_cli.explain(
-        Lab(), args.vm, args.to, args.mode, args.max_downtime_ms, args.bandwidth_mib
+        load_inventory(args.inventory),
+        args.vm,
+        args.to,
+        args.mode,
+        args.max_downtime_ms,
+        args.bandwidth_mib,
     )
     print(plan["explanation"])
     return 0
@@ -178,7 +54,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     result = migrate_cli.migrate(
-        Lab(),
+        load_inventory(args.inventory),
         args.vm,
         args.to,
         args.mode,
@@ -199,7 +75,7 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 def cmd_drain(args: argparse.Namespace) -> int:
     from flexmig import drain_cli  # the drain's modules load only for this command
 
-    lab = Lab()
+    lab = load_inventory(args.inventory)
     plan, inputs, backend = drain_cli.prepare(
         lab, args.host, args.max_concurrency, args.link_mib, args.max_downtime_ms
     )
@@ -231,9 +107,7 @@ def _concurrency(text: str) -> int:
 
 
 def _add_drain_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    p = sub.add_parser(
-        "drain", help="move every VM off a host, planned to finish soonest (lab hosts)"
-    )
+    p = sub.add_parser("drain", help="move every VM off a host, planned to finish soonest")
     p.add_argument("host", help="the host to empty")
     p.add_argument("--dry-run", action="store_true", help="show the plan and why; move nothing")
     p.add_argument(
@@ -283,14 +157,6 @@ def _print_summary(result: dict[str, object]) -> None:
         print(f"{key:>24}: {value}")
 
 
-def cmd_host_budget(args: argparse.Namespace) -> int:
-    from flexmig.lab.vmspec import parse_size_mib
-
-    Lab().set_budget(args.host, parse_size_mib(args.size, "memory budget"))
-    print(f"host {args.host.upper()}: agent offers VMs {args.size}")
-    return 0
-
-
 def _parallel_connections(text: str) -> int:
     try:
         value = int(text)
@@ -338,70 +204,16 @@ def _add_migration_parsers(sub: argparse._SubParsersAction) -> None:  # type: ig
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexmig", description=__doc__)
+    parser.add_argument(
+        "--inventory",
+        default=os.environ.get("FLEXMIG_INVENTORY", DEFAULT_INVENTORY),
+        help="where VMs and hosts are found (entry point group flexmig.inventories; "
+        f"default $FLEXMIG_INVENTORY or {DEFAULT_INVENTORY})",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="lab up, migrate a dirtying VM A->B, report, lab down")
-    demo.add_argument("--ram", default="512M")
-    demo.add_argument("--workload", default=DEMO_WORKLOAD)
-    demo.add_argument("--keep", action="store_true", help="leave the lab up afterwards")
-    demo.add_argument("--json", action="store_true")
-    demo.set_defaults(func=cmd_demo)
     _add_migration_parsers(sub)
     _add_drain_parser(sub)
-    _add_lab_parser(sub)
     return parser
-
-
-def _add_lab_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    lab = sub.add_parser("lab", help="the lab of namespaced hosts").add_subparsers(
-        dest="lab_command", required=True
-    )
-    up = lab.add_parser("up", help="bring the lab up (idempotent)")
-    up.add_argument("--hosts", type=int, default=2, help="number of hosts, 2..8")
-    up.set_defaults(func=cmd_lab_up)
-    status = lab.add_parser("status", help="hosts, daemons and VMs")
-    status.add_argument("--json", action="store_true")
-    status.set_defaults(func=cmd_lab_status)
-    lab.add_parser("down", help="remove everything the lab made").set_defaults(func=cmd_lab_down)
-    img = lab.add_parser("image", help="the guest image").add_subparsers(required=True)
-    img.add_parser("build", help="fetch the kernel, build the initramfs").set_defaults(
-        func=cmd_image_build
-    )
-    _add_vm_parser(lab)
-    endpoint_cli.add_parser(lab)
-    host = lab.add_parser("host", help="lab hosts").add_subparsers(required=True)
-    budget = host.add_parser("budget", help="RAM a host's agent offers VMs")
-    budget.add_argument("host")
-    budget.add_argument("size", help="e.g. 300M, 4G")
-    budget.set_defaults(func=cmd_host_budget)
-
-
-def _add_vm_parser(lab: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    vms = lab.add_parser("vm", help="lab VMs").add_subparsers(dest="vm_command", required=True)
-    create = vms.add_parser("create", help="boot a VM on a host")
-    create.add_argument("--host", required=True)
-    create.add_argument("--name")
-    create.add_argument("--ram", default="256M", help="e.g. 512M, 1G")
-    create.add_argument("--vcpus", type=int, default=1)
-    create.add_argument(
-        "--workload", default="idle", help="idle | dirtier:wss=128M,rate=20000[,pattern=random|seq]"
-    )
-    create.add_argument("--memory-backing", default="file", choices=("file", "anonymous"))
-    create.set_defaults(func=cmd_vm_create)
-    vms.add_parser("list", help="VMs and where they run").set_defaults(func=cmd_vm_list)
-    for name, func, text in (
-        ("verify", cmd_vm_verify, "run the guest's page verifier"),
-        ("heartbeat", cmd_vm_heartbeat, "guest-observed downtime so far"),
-        ("destroy", cmd_vm_destroy, "stop and forget a VM"),
-    ):
-        p = vms.add_parser(name, help=text)
-        p.add_argument("name")
-        p.add_argument("--json", action="store_true")
-        p.set_defaults(func=func)
-    migrate = vms.add_parser("migrate", help="plain libvirt precopy live migration")
-    migrate.add_argument("name")
-    migrate.add_argument("--to", required=True)
-    migrate.add_argument("--json", action="store_true")
-    migrate.set_defaults(func=cmd_vm_migrate)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,7 +1,8 @@
-"""``flexmig drain <host>`` in the lab: plan, show, run, verify every guest.
+"""``flexmig drain <host>``: plan, show, run, verify every guest.
 
-The lab supplies the hosts' endpoints and, after the drain, each moved
-guest's own check of its memory (``verify``: bad and lost pages).
+The inventory supplies the hosts' endpoints and, after the drain, if it has
+a probe inside the guests, each guest's own check of its memory (``verify``:
+bad and lost pages).
 """
 
 from __future__ import annotations
@@ -11,29 +12,27 @@ from collections.abc import Callable
 from typing import Any
 
 from flexmig import drain_agents, drain_run, exceptions
-from flexmig.lab import topology
-from flexmig.lab import vm as lab_vm
-from flexmig.lab.lab import Lab
-from flexmig.migrate_cli import AGENT_PORT
+from flexmig.migrate_cli import Inventory
 from flexmig.policy import drain
 
 
-def endpoints(lab: Lab) -> dict[str, drain_agents.HostEndpoint]:
-    return {
-        spec.name: drain_agents.HostEndpoint(
-            name=spec.name,
-            agent=lab.agent(spec.name),
-            address=spec.mgmt_ip,
-            port=AGENT_PORT,
-            libvirt_uri=spec.libvirt_uri,
-            migration_uri=spec.migration_uri,
+def endpoints(lab: Inventory) -> dict[str, drain_agents.HostEndpoint]:
+    found = {}
+    for name in lab.host_names():
+        _, dest = lab.destination(name)
+        found[name] = drain_agents.HostEndpoint(
+            name=name,
+            agent=lab.agent(name),
+            address=dest["address"],
+            port=dest["port"],
+            libvirt_uri=dest["libvirt_uri"],
+            migration_uri=dest["migration_uri"],
         )
-        for spec in lab.specs
-    }
+    return found
 
 
 def prepare(
-    lab: Lab,
+    lab: Inventory,
     source: str,
     max_concurrency: int = 4,
     link_mib: int = 0,
@@ -41,7 +40,7 @@ def prepare(
 ) -> tuple[drain.DrainPlan, drain_agents.Inputs, drain_run.Backend]:
     """Gather the facts and plan; nothing moves."""
     hosts = endpoints(lab)
-    src = topology.host_by_name(lab.specs, source).name
+    src, _ = lab.destination(source)
     dests = [h for name, h in hosts.items() if name != src]
     inputs = drain_agents.gather(hosts[src], dests, max_downtime_ms, link_mib)
     plan = drain.plan(src, inputs.vms, inputs.candidates, inputs.fabric, max_concurrency)
@@ -59,7 +58,7 @@ def prepare(
 
 
 def execute(
-    lab: Lab,
+    lab: Inventory,
     plan: drain.DrainPlan,
     inputs: drain_agents.Inputs,
     backend: drain_run.Backend,
@@ -102,11 +101,13 @@ def _restore(previous: Any) -> None:
         signal.signal(signal.SIGINT, previous)
 
 
-def _verify(lab: Lab, report: drain_run.DrainReport) -> None:
+def _verify(lab: Inventory, report: drain_run.DrainReport) -> None:
     """Every guest checks its memory where it runs now, moved or not."""
     for out in report.outcomes:
-        guest = lab_vm.LabVM(lab, out.vm)
-        where = guest.locate()
+        guest = lab.guest(out.vm)
+        if guest is None:
+            continue  # the inventory has no probe inside its guests
+        where = lab.vm_host(out.vm)
         if where is None:
             check = {"bad": -1, "lost": -1}
         else:

@@ -35,14 +35,6 @@ class Timeout(FlexMigError):
     msg_fmt = "Timed out after %(seconds).1f s waiting for %(what)s"
 
 
-class LabError(FlexMigError):
-    msg_fmt = "Lab error: %(reason)s"
-
-
-class LabNotUp(LabError):
-    msg_fmt = "The lab is not up (%(reason)s). Run 'flexmig lab up' first."
-
-
 class HypervisorError(FlexMigError):
     msg_fmt = "libvirt on %(host)s failed to %(action)s: %(reason)s"
 

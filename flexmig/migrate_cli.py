@@ -1,23 +1,52 @@
-"""``flexmig explain`` and ``flexmig migrate``: the policy and modes on lab VMs."""
+"""``flexmig explain`` and ``flexmig migrate`` over an inventory.
+
+An inventory says where a VM runs, how to reach a host's agent and how a
+destination is addressed; it may also offer a probe inside the guest
+(heartbeats, page verification) to measure a migration from the guest's side.
+The lab's rig is one inventory (entry point group ``flexmig.inventories``).
+"""
 
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from flexmig import exceptions
-from flexmig.lab import topology
-from flexmig.lab import vm as lab_vm
-from flexmig.lab.lab import Lab
 from flexmig.progress import MigrationProgress
 
-AGENT_PORT = 9797
 POLL_S = 0.3
 MIGRATION_TIMEOUT_S = 1800.0
 
 
+class GuestProbe(Protocol):
+    """Measurements from inside a guest: heartbeats and page verification."""
+
+    def wait_heartbeat(self, host: str) -> Any: ...
+
+    def heartbeat(self, since_ns: int = 0) -> Any: ...
+
+    def verify(self) -> dict[str, Any]: ...
+
+
+class Inventory(Protocol):
+    def host_names(self) -> list[str]:
+        """Every host the inventory knows (a drain's candidate destinations)."""
+
+    def vm_host(self, vm: str) -> str | None:
+        """The host the VM runs on, or None."""
+
+    def agent(self, host: str) -> Any:
+        """A client of that host's agent (``get``/``post``)."""
+
+    def destination(self, to: str) -> tuple[str, dict[str, Any]]:
+        """(host name, the request's ``dest``: address, port, libvirt and migration URIs)."""
+
+    def guest(self, vm: str) -> GuestProbe | None:
+        """A probe inside the VM, if the inventory has one."""
+
+
 def _request(
-    lab: Lab,
+    lab: Inventory,
     name: str,
     to: str,
     mode: str,
@@ -26,22 +55,13 @@ def _request(
     transport: str = "auto",
     parallel: int = 1,
 ) -> tuple[str, dict[str, Any]]:
-    source = lab_vm.LabVM(lab, name).locate()
+    source = lab.vm_host(name)
     if source is None:
-        raise exceptions.InvalidInput(what="VM", reason=f"{name!r} is not running in the lab")
-    dest = topology.host_by_name(lab.specs, to)
-    if dest.name == source:
+        raise exceptions.InvalidInput(what="VM", reason=f"{name!r} is not running")
+    dest_name, dest = lab.destination(to)
+    if dest_name == source:
         raise exceptions.InvalidInput(what="destination", reason=f"{name} already runs on {to}")
-    body: dict[str, Any] = {
-        "vm": name,
-        "mode": mode,
-        "dest": {
-            "address": dest.mgmt_ip,
-            "port": AGENT_PORT,
-            "libvirt_uri": dest.libvirt_uri,
-            "migration_uri": dest.migration_uri,
-        },
-    }
+    body: dict[str, Any] = {"vm": name, "mode": mode, "dest": dest}
     if max_downtime_ms is not None:
         body["max_downtime_ms"] = max_downtime_ms
     if bandwidth_mib:
@@ -54,7 +74,7 @@ def _request(
 
 
 def explain(
-    lab: Lab,
+    lab: Inventory,
     name: str,
     to: str,
     mode: str = "auto",
@@ -66,7 +86,7 @@ def explain(
 
 
 def start(
-    lab: Lab,
+    lab: Inventory,
     name: str,
     to: str,
     mode: str = "auto",
@@ -87,7 +107,7 @@ def start(
 
 
 def migrate(
-    lab: Lab,
+    lab: Inventory,
     name: str,
     to: str,
     mode: str = "auto",
@@ -98,8 +118,8 @@ def migrate(
     store_writeback: bool = True,
     parallel: int = 1,
 ) -> dict[str, Any]:
-    """Run a FlexMig migration and measure it from inside the guest."""
-    guest = lab_vm.LabVM(lab, name)
+    """Run a FlexMig migration; measure it from inside the guest if the inventory can."""
+    guest = lab.guest(name)
     start_ns = time.monotonic_ns()
     source, agent, migration_id = start(
         lab, name, to, mode, max_downtime_ms, bandwidth_mib, transport, store_writeback, parallel
@@ -115,9 +135,9 @@ def migrate(
         "explanation": record["explanation"],
         "events": [text for _ts, text in record["events"]],
     }
-    landed = guest.locate()
+    landed = lab.vm_host(name)
     result["running_on"] = landed
-    if landed is not None:
+    if landed is not None and guest is not None:
         guest.wait_heartbeat(host=landed)
         beats = guest.heartbeat(since_ns=start_ns)
         result["guest_observed_downtime_ms"] = round(beats.longest_gap_ms, 1)

@@ -16,8 +16,7 @@ from collections.abc import Callable
 
 import libvirt
 
-from flexmig import exceptions, hypervisor
-from flexmig.lab import commands
+from flexmig import exceptions, hypervisor, processutil
 
 PAGE = 4096
 MIB = 2**20
@@ -58,7 +57,7 @@ def guest_ram_mapping(pid: int, ram_bytes: int) -> tuple[str | None, int]:
 
 
 def _fs_type(path: str) -> str:
-    return commands.run(["stat", "-f", "-c", "%T", path]).stdout.strip()
+    return processutil.run(["stat", "-f", "-c", "%T", path]).stdout.strip()
 
 
 def _read_ram_mapping(vm: str, ram_bytes: int) -> tuple[str | None, int]:

@@ -101,14 +101,17 @@ offload_opts = [
     ),
     cfg.ListOpt(
         "vm_port_patterns",
-        default=[r"tap\d+", r"ep-[a-z0-9]+"],
+        default=[r"tap[0-9a-f]{8}-[0-9a-f]{2}"],
         help="Regular expressions (whole name) of VM ports: each gets a "
-        "dispatcher. QEMU taps and the lab's traffic endpoints by default.",
+        "dispatcher. Default: the taps Nova and Neutron's OVS plugging name "
+        "'tap' + the first 11 characters of the Neutron port's UUID.",
     ),
     cfg.ListOpt(
         "uplinks",
-        default=["phy0"],
-        help="Uplink ports: their flows towards VMs are the VMs' ingress flows.",
+        default=[],
+        help="Uplink ports of the bridge (e.g. the physical NIC or bond): their "
+        "flows towards VMs are the VMs' ingress flows. Default: none; a host's "
+        "uplink name is the deployment's to give.",
     ),
 ]
 

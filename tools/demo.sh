@@ -4,4 +4,4 @@
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 "$ROOT/tools/setup.sh"
-exec "$ROOT/.venv/bin/flexmig" demo "$@"
+exec "$ROOT/.venv/bin/flexmig-lab" demo "$@"

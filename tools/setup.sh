@@ -83,7 +83,7 @@ install_python() {
   local stamp=.venv/.installed
   local want
   want=$(cat setup.cfg setup.py pyproject.toml requirements.txt test-requirements.txt \
-    constraints.txt | sha256sum | cut -c1-16)
+    constraints.txt tests/rig/pyproject.toml | sha256sum | cut -c1-16)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return
   fi
@@ -101,6 +101,8 @@ install_python() {
     # The gate's way: requirements under the upper constraints.
     .venv/bin/pip install -q -c constraints.txt -r requirements.txt -r test-requirements.txt
     .venv/bin/pip install -q -c constraints.txt -e .
+    # The lab (tests/rig): a test rig beside the product, never inside it.
+    .venv/bin/pip install -q -c constraints.txt --no-build-isolation -e tests/rig
   } >>"$SETUP_LOG" 2>&1
   echo "$want" > "$stamp"
 }
@@ -133,9 +135,9 @@ make -s -C agents/mover >>"$SETUP_LOG" 2>&1
 step "building the XDP eSwitch, the lab's packet generators and the benchmarks' BPF objects"
 {
   make -s -C ovs_ext/providers/xdp
-  make -s -C flexmig/lab/traffic
+  make -s -C tests/rig/flexmig_lab/traffic
   make -s -C tests/bench/bpf
 } >>"$SETUP_LOG" 2>&1
 step "building the guest image (kernel, initramfs, QEMU 10)"
-.venv/bin/flexmig lab image build >>"$SETUP_LOG" 2>&1
+.venv/bin/flexmig-lab image build >>"$SETUP_LOG" 2>&1
 log "ready (details in $SETUP_LOG)"

@@ -9,10 +9,12 @@ PY=.venv/bin
 echo "== lint"
 $PY/ruff check flexmig agents nova_driver ovs_ext tests
 $PY/ruff format --check flexmig agents nova_driver ovs_ext tests
+# The layers (.importlinter): no product package imports the lab.
+$PY/lint-imports
 shellcheck tools/*.sh .ci/run devstack/plugin.sh devstack/settings tests/devstack_standin/functions
 echo "== tests"
 # A lab left by an interrupted earlier run would make the functional tests fail.
-$PY/flexmig lab down >/dev/null
+$PY/flexmig-lab down >/dev/null
 # Each lab fixture copies its hosts' logs (libvirtd, QEMU, agents) here before
 # tearing the lab down, so a failed run can still be diagnosed.
 export FLEXMIG_LAB_KEEP_LOGS="${FLEXMIG_LAB_KEEP_LOGS:-$ROOT/.cache/lab-logs}"

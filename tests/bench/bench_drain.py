@@ -36,9 +36,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from flexmig import drain_cli, exceptions
-from flexmig.lab import commands, image, topology, vm
-from flexmig.lab.lab import Lab
+from flexmig import drain_cli, exceptions, processutil
+from flexmig_lab import image, topology, vm
+from flexmig_lab.lab import Lab
 
 MIB = 2**20
 LINK_MIB = 48
@@ -78,7 +78,7 @@ def shape_uplink(lab: Lab, host: str, mib: int) -> None:
         (spec.netns, topology.HOST_MGMT_IF),
         (topology.FABRIC_NETNS, spec.fabric_mgmt_if),
     ):
-        commands.run(
+        processutil.run(
             [
                 "ip",
                 "netns",

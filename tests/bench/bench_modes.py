@@ -33,8 +33,8 @@ from pathlib import Path
 import libvirt
 
 from flexmig import exceptions, migrate_cli
-from flexmig.lab import image, vm
-from flexmig.lab.lab import Lab
+from flexmig_lab import image, vm
+from flexmig_lab.lab import Lab
 
 BANDWIDTH_MIB = 100
 DEFAULT_OUT = Path("docs/benchmarks/modes.md")

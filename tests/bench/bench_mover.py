@@ -29,9 +29,9 @@ from pathlib import Path
 from typing import Any
 
 from agents.mover import BINARY
-from flexmig import migrate_cli
-from flexmig.lab import commands, image, topology, vm
-from flexmig.lab.lab import Lab
+from flexmig import migrate_cli, processutil
+from flexmig_lab import image, topology, vm
+from flexmig_lab.lab import Lab
 
 TOKEN = "benchmark-credential-0123456789abcdef"
 MOVER_BYTES = 512 * 2**20
@@ -50,9 +50,9 @@ PARALLEL = (2, 4)
 def shape(lab: Lab, qdisc: list[str]) -> None:
     dev = lab.host("B").spec.fabric_mgmt_if
     base = ["ip", "netns", "exec", topology.FABRIC_NETNS, "tc", "qdisc"]
-    commands.run([*base, "del", "dev", dev, "root"], check=False)
+    processutil.run([*base, "del", "dev", dev, "root"], check=False)
     if qdisc:
-        commands.run([*base, "add", "dev", dev, "root", *qdisc])
+        processutil.run([*base, "add", "dev", dev, "root", *qdisc])
 
 
 def iperf(lab: Lab, seconds: int = 3) -> dict[str, float]:

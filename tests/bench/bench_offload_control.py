@@ -31,8 +31,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from flexmig.lab import commands, endpoints, offload, traffic
-from flexmig.lab.lab import Lab
+from flexmig import processutil
+from flexmig_lab import endpoints, offload, traffic
+from flexmig_lab.lab import Lab
 
 RATE = 10_000
 PROMOTE_PPS = 2000
@@ -94,7 +95,7 @@ def wait_flow(service, sport, dport, predicate, timeout):
             return None
         return flow if flow is not None and predicate(flow) else None
 
-    return commands.wait_for(probe, timeout=timeout, what=f"flow {sport}->{dport}")
+    return processutil.wait_for(probe, timeout=timeout, what=f"flow {sport}->{dport}")
 
 
 def send(eps, sport, dport, count, rate, background=False):
@@ -146,7 +147,7 @@ def promotion_latency(lab, eps, trials: int) -> list[tuple[Config, list[Trial]]]
 
 
 def wait_ports(service) -> None:
-    commands.wait_for(
+    processutil.wait_for(
         lambda: {"ep-s1", "ep-r1"} <= set(service.status()["fast_path_ports"]),
         timeout=10,
         what="endpoints attached to the fast path",
@@ -287,7 +288,7 @@ def main() -> None:
     lab.up(2)
     try:
         eps = {name: endpoints.add(lab, "A", name) for name in ("s1", "r1")}
-        ping = commands.run([*endpoints.exec_prefix(eps["s1"]), "ping", "-c", "1", eps["r1"].ip])
+        ping = processutil.run([*endpoints.exec_prefix(eps["s1"]), "ping", "-c", "1", eps["r1"].ip])
         assert ping.returncode == 0
         results = promotion_latency(lab, eps, args.trials)
         exact = exactness(lab, eps, [1000, 10_000, 20_000, 40_000])

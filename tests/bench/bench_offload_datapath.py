@@ -38,11 +38,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from flexmig.lab import endpoints, offload, topology, traffic
-from flexmig.lab.host import LabHost
-from flexmig.lab.lab import Lab
+from flexmig_lab import endpoints, offload, topology, traffic
+from flexmig_lab.host import LabHost
+from flexmig_lab.lab import Lab
+from flexmig_lab.xdpctl import HostXdp
 from ovs_ext.providers.base import FlowMatch, OffloadEntry
-from ovs_ext.providers.xdp.labctl import HostXdp
 from tests.bench import host_cpu, offload_pps
 from tests.bench.offload_pps import Placement
 

@@ -23,8 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from flexmig import exceptions, migrate_cli
-from flexmig.lab import vm
-from flexmig.lab.lab import Lab
+from flexmig_lab import vm
+from flexmig_lab.lab import Lab
 from tests.bench import tracefs
 
 MSYNC_RE = re.compile(r"qemu-system-x86-(\d+)\s.*?(\d+\.\d+): sys_(msync)(\(| ->)")

@@ -13,8 +13,8 @@ import sys
 import time
 from pathlib import Path
 
-from flexmig.lab import endpoints
-from flexmig.lab.host import LabHost
+from flexmig_lab import endpoints
+from flexmig_lab.host import LabHost
 from tests.bench.softirq_time import SLOT_OTHER_NS, SoftirqClock
 
 NAPI_HELPER = Path(__file__).resolve().parent / "napi_threads.py"

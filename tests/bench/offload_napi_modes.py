@@ -24,8 +24,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from flexmig.lab import traffic
-from flexmig.lab.host import LabHost
+from flexmig_lab import traffic
+from flexmig_lab.host import LabHost
 from tests.bench import bench_offload_datapath as datapath
 
 DEFAULT_OUT = Path("docs/benchmarks/offload-napi-modes.md")

@@ -3,7 +3,7 @@
 Three paths (plain OVS, eSwitch attached but the flow not offloaded, offloaded)
 fed by two generators:
 
-- ``xdpgen`` (flexmig/lab/traffic/xdpgen.c): in-kernel, XDP live frames out of
+- ``xdpgen`` (tests/rig/flexmig_lab/traffic/xdpgen.c): in-kernel, XDP live frames out of
   a1's eth0; a veth's ndo_xdp_xmit puts them into the host port's (ep-a1's)
   ring as a NIC queue would, with no skb on the sending side, so the
   generator no longer decides the result.  A veth takes XDP frames only while
@@ -33,10 +33,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 from flexmig import exceptions
-from flexmig.lab import endpoints, traffic
-from flexmig.lab.lab import Lab
+from flexmig_lab import endpoints, errors, traffic
+from flexmig_lab.lab import Lab
+from flexmig_lab.xdpctl import HostXdp
 from ovs_ext.providers.base import FlowMatch, OffloadEntry
-from ovs_ext.providers.xdp.labctl import HostXdp
 from ovs_ext.providers.xdp.provider import BUILD_DIR, RX_PASS_OBJECT
 from tests.bench import host_cpu
 
@@ -175,7 +175,7 @@ def _reap(proc: subprocess.Popen, timeout: float) -> tuple[str, float]:
     assert proc.stdout is not None
     out = proc.stdout.read()
     if proc.returncode != 0:
-        raise exceptions.LabError(reason=f"udpgen sender exited {proc.returncode}")
+        raise errors.LabError(reason=f"udpgen sender exited {proc.returncode}")
     return out, usage.ru_utime + usage.ru_stime
 
 

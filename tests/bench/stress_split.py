@@ -16,7 +16,7 @@ import json
 import subprocess
 import sys
 
-from flexmig.lab.lab import Lab
+from flexmig_lab.lab import Lab
 
 FLEXMIG = [sys.executable, "-m", "flexmig.cli"]
 

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 from flexmig import migrate_cli
-from flexmig.lab import vm
-from flexmig.lab.lab import Lab
+from flexmig_lab import vm
+from flexmig_lab.lab import Lab
 
 OUT = Path("docs/benchmarks/switchover.md")
 CHECKPOINT_RE = re.compile(r"@(\d+\.\d+):vmstate_downtime_checkpoint (\S+)")

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from flexmig import exceptions
-from flexmig.lab import image, topology
-from flexmig.lab.lab import Lab
+from flexmig_lab import image, topology
+from flexmig_lab.lab import Lab
 
 LAB_PROCESSES = r"qemu-system|ovs-vswitchd|ovsdb-server|libvirtd|virtlogd|flexmig\.lab\.recorder"
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from flexmig import exceptions
-from flexmig.lab import commands, endpoints, netns, topology
+from flexmig import exceptions, processutil
+from flexmig_lab import endpoints, netns, topology
 
 pytestmark = pytest.mark.lab
 
 
 def _offloads(ns: str, ifname: str) -> str:
-    return commands.run(["ip", "netns", "exec", ns, "ethtool", "-k", ifname]).stdout
+    return processutil.run(["ip", "netns", "exec", ns, "ethtool", "-k", ifname]).stdout
 
 
 def test_endpoint_lifecycle(lab):
@@ -22,7 +22,7 @@ def test_endpoint_lifecycle(lab):
     assert "tx-checksumming: off" in _offloads(host.spec.netns, ep.port)
     assert "tx-checksumming: off" in _offloads(ep.netns, endpoints.ENDPOINT_IF)
     # Reachable from the fabric's probe address: through B's br-int and uplink.
-    ping = commands.run(
+    ping = processutil.run(
         ["ip", "netns", "exec", topology.FABRIC_NETNS, "ping", "-c", "2", "-W", "2", ep.ip],
         check=False,
     )

@@ -4,8 +4,8 @@ import time
 
 import pytest
 
-from flexmig import migrate_cli
-from flexmig.lab import commands, fabric, vm
+from flexmig import migrate_cli, processutil
+from flexmig_lab import fabric, vm
 
 pytestmark = pytest.mark.lab
 
@@ -21,7 +21,7 @@ def _wait_phase(agent, migration_id, phase, timeout=120):
             else None
         )
 
-    return commands.wait_for(reached, timeout=timeout, interval=0.2, what=f"phase {phase}")
+    return processutil.wait_for(reached, timeout=timeout, interval=0.2, what=f"phase {phase}")
 
 
 def _check_vm(guest, host):

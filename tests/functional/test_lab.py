@@ -4,9 +4,9 @@ import re
 
 import pytest
 
-from flexmig import exceptions
-from flexmig.lab import host as lab_host
-from flexmig.lab.lab import Lab
+from flexmig_lab import errors
+from flexmig_lab import host as lab_host
+from flexmig_lab.lab import Lab
 from tests.functional.conftest import lab_missing_reason, leftovers
 
 pytestmark = pytest.mark.lab
@@ -46,7 +46,7 @@ def test_up_is_idempotent_and_refuses_a_different_size(fresh_lab):
     fresh_lab.up(2)
     fresh_lab.up(2)
     assert all(all(h["daemons"].values()) for h in fresh_lab.status()["hosts"])
-    with pytest.raises(exceptions.LabError, match="already up"):
+    with pytest.raises(errors.LabError, match="already up"):
         fresh_lab.up(3)
 
 
@@ -59,10 +59,10 @@ def test_nothing_listens_outside_the_lab(fresh_lab):
 
 def test_down_after_a_failed_up_leaves_nothing(fresh_lab, monkeypatch):
     def broken_libvirt(self):
-        raise exceptions.LabError(reason="injected failure starting libvirtd")
+        raise errors.LabError(reason="injected failure starting libvirtd")
 
     monkeypatch.setattr(lab_host.LabHost, "_start_libvirt", broken_libvirt)
-    with pytest.raises(exceptions.LabError, match="injected"):
+    with pytest.raises(errors.LabError, match="injected"):
         fresh_lab.up(2)
     fresh_lab.down()
     assert leftovers(fresh_lab) == []

@@ -7,8 +7,8 @@ import pytest
 from agents.agent import auth
 from agents.agent.client import _UnixHTTPConnection
 from flexmig import exceptions, migrate_cli
-from flexmig.lab import vm
-from flexmig.lab.lab import CGROUP_ROOT
+from flexmig_lab import vm
+from flexmig_lab.lab import CGROUP_ROOT
 
 pytestmark = pytest.mark.lab
 

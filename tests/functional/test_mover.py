@@ -10,7 +10,7 @@ import pytest
 from agents.agent import movers
 from agents.mover import BINARY
 from flexmig import migrate_cli
-from flexmig.lab import vm
+from flexmig_lab import vm
 
 pytestmark = pytest.mark.lab
 TOKEN = "functional-test-credential-0123456789"

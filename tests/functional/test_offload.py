@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from flexmig import exceptions
-from flexmig.lab import commands, endpoints, offload, traffic
+from flexmig import processutil
+from flexmig_lab import endpoints, errors, offload, traffic
 from ovs_ext.providers.xdp import provider as xdp_provider
 
 pytestmark = pytest.mark.lab
@@ -58,7 +58,7 @@ def olab(lab):
 
 # -- helpers ---------------------------------------------------------------------
 def run_in(ep, cmd):
-    return commands.run([*endpoints.exec_prefix(ep), *cmd], check=False)
+    return processutil.run([*endpoints.exec_prefix(ep), *cmd], check=False)
 
 
 def wait_status(service, predicate, timeout=10.0, what="offload status"):
@@ -69,7 +69,7 @@ def wait_status(service, predicate, timeout=10.0, what="offload status"):
             return None
         return status if predicate(status) else None
 
-    return commands.wait_for(probe, timeout=timeout, interval=0.05, what=what)
+    return processutil.wait_for(probe, timeout=timeout, interval=0.05, what=what)
 
 
 def reload(service, text, applied):
@@ -277,7 +277,7 @@ def test_invalid_policy_is_rejected_and_changes_nothing(olab, lab):
     before = service.status()
     # A contradictory reload: rejected whole, naming the field; nothing moves.
     service.reload(ELEPHANT_POLICY.replace("demote_pps: 300", "demote_pps: 3000"))
-    commands.wait_for(
+    processutil.wait_for(
         lambda: "policy reload rejected" in service.log_tail(50),
         timeout=5,
         what="the service to reject the policy",
@@ -402,6 +402,6 @@ def test_bad_provider_name_is_refused_at_start(lab):
     )
     assert proc.returncode == 2
     assert "provider" in proc.stderr and "tc-flowerz" in proc.stderr
-    with pytest.raises(exceptions.LabError):
+    with pytest.raises(errors.LabError):
         offload.LabOffload(host).start(provider="nonexistent", poll_interval=0.1)
     offload.LabOffload(host).start()

@@ -19,7 +19,7 @@ import uuid
 import pytest
 from oslo_config import cfg
 
-from flexmig.lab import topology
+from flexmig_lab import topology
 from ovs_ext.providers.base import IPPROTO_TCP, FlowMatch, OffloadEntry
 from ovs_ext.providers.tc_flower import TcFlowerProvider, probe
 from ovs_ext.providers.tc_flower.provider import PyRoute2Netlink

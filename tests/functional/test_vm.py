@@ -6,7 +6,7 @@ import time
 import pytest
 
 from flexmig import exceptions
-from flexmig.lab import topology, vm
+from flexmig_lab import topology, vm
 
 pytestmark = pytest.mark.lab
 
@@ -19,9 +19,9 @@ def _port_counters(host, port):
 
 
 def _ping_from_fabric(ip, count=3):
-    from flexmig.lab import commands
+    from flexmig import processutil
 
-    return commands.run(
+    return processutil.run(
         ["ip", "netns", "exec", topology.FABRIC_NETNS, "ping", "-c", str(count), "-W", "2", ip],
         check=False,
     )

@@ -13,12 +13,11 @@ import time
 
 import pytest
 
-from flexmig import exceptions
-from flexmig.lab import endpoints, traffic
-from flexmig.lab.host import LabHost
+from flexmig_lab import endpoints, errors, traffic
+from flexmig_lab.host import LabHost
+from flexmig_lab.xdpctl import HostXdp
 from ovs_ext.providers.base import FlowCounters, FlowMatch
 from ovs_ext.providers.xdp import provider as xdp_provider
-from ovs_ext.providers.xdp.labctl import HostXdp
 
 pytestmark = pytest.mark.lab
 
@@ -42,7 +41,7 @@ def xlab(lab):
     try:
         xdp["A"].attach("ep-a1", "ep-a2", "phy0")
         xdp["B"].attach("ep-b1", "phy0")
-    except exceptions.LabError as exc:
+    except errors.LabError as exc:
         pytest.skip(f"XDP cannot attach here: {exc}")
     for src, dst in (("a1", "a2"), ("a1", "b1")):  # resolve ARP through OVS first
         ping = traffic_run(eps[src], ["ping", "-c", "1", "-W", "2", eps[dst].ip])
@@ -51,9 +50,9 @@ def xlab(lab):
 
 
 def traffic_run(ep: endpoints.Endpoint, cmd: list[str]):
-    from flexmig.lab import commands
+    from flexmig import processutil
 
-    return commands.run([*endpoints.exec_prefix(ep), *cmd], check=False)
+    return processutil.run([*endpoints.exec_prefix(ep), *cmd], check=False)
 
 
 def flow_of(src: endpoints.Endpoint, dst: endpoints.Endpoint, in_port: str, sport: int):
@@ -188,7 +187,7 @@ def _tap_tx_packets(host: LabHost, tap: str) -> int:
 
 def test_offload_into_a_qemu_guest_tap(xlab):
     """Redirect into a tun/tap (QEMU's side); misses from the tap still reach OVS."""
-    from flexmig.lab import vm
+    from flexmig_lab import vm
 
     lab, eps, xdp = xlab
     host = lab.host("A")

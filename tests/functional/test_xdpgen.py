@@ -15,12 +15,12 @@ import time
 
 import pytest
 
-from flexmig import exceptions
-from flexmig.lab import commands, endpoints, offload, traffic
-from flexmig.lab.host import LabHost
+from flexmig import processutil
+from flexmig_lab import endpoints, errors, offload, traffic
+from flexmig_lab.host import LabHost
+from flexmig_lab.xdpctl import HostXdp
 from ovs_ext.providers.base import FlowCounters, FlowMatch
 from ovs_ext.providers.xdp import provider as xdp_provider
-from ovs_ext.providers.xdp.labctl import HostXdp
 from tests.bench.offload_pps import DRAIN_S, RX_SINK_OBJECT, PortNapi, XdpSink, endpoint_mac
 from tests.functional.test_xdp_eswitch import add_probe, probe_packets
 
@@ -42,7 +42,7 @@ def glab(lab):
     # promote a fast flow by itself: the ports here are the test's alone.
     offload.LabOffload(lab.host("A")).stop()
     eps = {name: endpoints.add(lab, "A", name) for name in ("a1", "a2")}
-    ping = commands.run(
+    ping = processutil.run(
         [*endpoints.exec_prefix(eps["a1"]), "ping", "-c", "1", "-W", "2", eps["a2"].ip],
         check=False,
     )
@@ -60,7 +60,7 @@ def send(eps: dict, sport: int, **kwargs) -> dict[str, float]:
         return traffic.xdp_send(
             endpoints.exec_prefix(eps["a1"]), endpoints.ENDPOINT_IF, flow(eps, sport), **kwargs
         )
-    except exceptions.LabError as exc:
+    except errors.LabError as exc:
         if "BPF_F_TEST_XDP_LIVE_FRAMES" in str(exc):
             pytest.skip(f"this kernel has no XDP live frames: {exc}")
         raise

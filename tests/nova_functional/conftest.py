@@ -21,7 +21,7 @@ except ImportError:  # Nova not installed: the test module skips and says so
 @pytest.fixture(scope="class")
 def nova_lab(request):
     """A fresh two-host lab for a Nova end-to-end class (its ``lab`` attribute)."""
-    from flexmig.lab.lab import Lab
+    from flexmig_lab.lab import Lab
     from tests.functional.conftest import keep_logs, lab_missing_reason
 
     reason = lab_missing_reason()

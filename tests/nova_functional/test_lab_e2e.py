@@ -30,9 +30,9 @@ from nova.tests.functional import integrated_helpers  # noqa: E402
 from oslo_utils.fixture import uuidsentinel as uuids  # noqa: E402
 
 from flexmig import hypervisor  # noqa: E402
-from flexmig.lab import vm as lab_vm  # noqa: E402
-from flexmig.lab import vmspec  # noqa: E402
-from flexmig.lab.lab import CGROUP_ROOT  # noqa: E402
+from flexmig_lab import vm as lab_vm  # noqa: E402
+from flexmig_lab import vmspec  # noqa: E402
+from flexmig_lab.lab import CGROUP_ROOT  # noqa: E402
 from tests.nova_functional.harness import API_PASTE, FlexMigDriverMixin  # noqa: E402
 from tests.nova_functional.test_live_migration import FINAL_STATES  # noqa: E402
 

@@ -1,6 +1,6 @@
 """The datapath benchmark's flow placements (pure): both hosts, both directions for TCP."""
 
-from flexmig.lab.endpoints import Endpoint
+from flexmig_lab.endpoints import Endpoint
 from tests.bench.bench_offload_datapath import stream_placements
 
 

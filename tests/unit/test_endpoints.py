@@ -3,7 +3,7 @@
 import pytest
 
 from flexmig import exceptions
-from flexmig.lab import endpoints, topology
+from flexmig_lab import endpoints, topology
 
 
 def test_endpoint_addresses_never_collide_with_vms_or_the_probe():
@@ -46,14 +46,14 @@ def test_next_free_address_skips_used_ones_and_says_when_none_is_left():
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["lab", "endpoint", "add", "--host", "A", "Bad"], "Invalid endpoint name"),
-        (["lab", "endpoint", "add", "--host", "A", "ok", "--ip", "10.251.0.5"], "endpoint address"),
+        (["endpoint", "add", "--host", "A", "Bad"], "Invalid endpoint name"),
+        (["endpoint", "add", "--host", "A", "ok", "--ip", "10.251.0.5"], "endpoint address"),
     ],
 )
 def test_cli_rejects_bad_input_before_touching_the_lab(
     argv, message, capsys, tmp_path, monkeypatch
 ):
-    from flexmig import cli
+    from flexmig_lab import cli
 
     monkeypatch.setenv("FLEXMIG_LAB_DIR", str(tmp_path / "no-lab"))
     assert cli.main(argv) == 1

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from flexmig.lab import image
+from flexmig_lab import image
 
 PAGE = 4096
 

@@ -1,4 +1,4 @@
-from flexmig.lab import heartbeat
+from flexmig_lab import heartbeat
 
 
 def _beats(times_ms, host="A", first=0):

@@ -1,7 +1,7 @@
 import pytest
 
 from flexmig import exceptions
-from flexmig.lab import image
+from flexmig_lab import image
 
 # The shape of a real modules.dep (paths relative, transitive deps listed).
 NET = "kernel/drivers/net"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flexmig.lab.lab import Lab
+from flexmig_lab.lab import Lab
 
 
 def test_copies_each_hosts_logs_and_libvirt_dir(tmp_path: Path) -> None:

@@ -74,7 +74,7 @@ def test_stale_provider_entries_are_cleared_at_start():
 def test_the_lab_config_is_valid_for_the_service(tmp_path):
     from oslo_config import cfg
 
-    from flexmig.lab import offload as lab_offload
+    from flexmig_lab import offload as lab_offload
 
     path = tmp_path / "offload.conf"
     extra = "[offload_xdp]\ncapacity = 16\n\n"
@@ -88,3 +88,19 @@ def test_the_lab_config_is_valid_for_the_service(tmp_path):
     assert (opts.poll_interval, opts.ovs_revalidator_ms, opts.uplinks) == (0.05, 100, ["phy0"])
     assert opts.stats_endpoint.endswith("/br-int-offload.mgmt")
     assert opts.status_file == lab_offload.STATUS_FILE
+    assert opts.vm_port_patterns == [r"tap\d+", r"ep-[a-z0-9]+"]
+
+
+def test_the_default_vm_ports_are_novas_taps():
+    """A real host's defaults: Neutron's tap<11 chars of port UUID>, no lab names."""
+    import re
+
+    from oslo_config import cfg
+
+    conf = cfg.ConfigOpts()
+    config.register_opts(conf)
+    conf([], project="flexmig", default_config_files=[])
+    patterns = conf.offload.vm_port_patterns
+    assert any(re.fullmatch(p, "tap5f4bd1b6-0e") for p in patterns)
+    assert not any(re.fullmatch(p, name) for p in patterns for name in ("tap0", "ep-a1", "phy0"))
+    assert conf.offload.uplinks == []

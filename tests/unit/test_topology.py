@@ -1,7 +1,7 @@
 import pytest
 
 from flexmig import exceptions
-from flexmig.lab import daemon_config, topology
+from flexmig_lab import daemon_config, topology
 
 
 def test_host_specs_name_and_address_hosts_distinctly():

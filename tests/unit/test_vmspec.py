@@ -3,7 +3,7 @@ import xml.etree.ElementTree as ET
 import pytest
 
 from flexmig import exceptions
-from flexmig.lab import vmspec
+from flexmig_lab import vmspec
 
 
 @pytest.mark.parametrize(

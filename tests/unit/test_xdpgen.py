@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from flexmig import exceptions
-from flexmig.lab import traffic
+from flexmig_lab import traffic
 
 SRC_MAC = "02:aa:00:00:00:01"
 FLOW = traffic.XdpFlow(

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from flexmig.lab import commands
+from flexmig import processutil
 
 
 def bpffs_mount_of(path: str, mounts_text: str) -> str | None:
@@ -38,5 +38,5 @@ def ensure(pin_dir: str) -> None:
     if bpffs_mount_of(pin_dir, mounts) is None:
         parent = os.path.dirname(pin_dir.rstrip("/")) or "/"
         os.makedirs(parent, exist_ok=True)
-        commands.run(["mount", "-t", "bpf", "bpf", parent])
+        processutil.run(["mount", "-t", "bpf", "bpf", parent])
     os.makedirs(pin_dir, exist_ok=True)

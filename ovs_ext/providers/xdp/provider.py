@@ -34,7 +34,7 @@ from typing import TypeVar
 
 from oslo_config import cfg
 
-from flexmig.lab import commands
+from flexmig import processutil
 from ovs_ext.providers import base
 from ovs_ext.providers.base import (
     FlowCounters,
@@ -385,7 +385,7 @@ def attach_rx_pass(ifname: str, netns: str | None = None) -> None:
     """
     # -force replaces a program already there: attaching is idempotent.
     prefix = ["ip", "-force", "-n", netns] if netns else ["ip", "-force"]
-    commands.run(
+    processutil.run(
         [*prefix, "link", "set", "dev", ifname, "xdpdrv", "obj", str(RX_PASS_OBJECT), "sec", "xdp"]
     )
 

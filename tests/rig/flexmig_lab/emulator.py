@@ -28,8 +28,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from flexmig import exceptions
-from flexmig.lab import commands
+from flexmig import exceptions, processutil
 
 SUITE = "bookworm-backports"
 MIRROR = "http://deb.debian.org/debian"
@@ -79,8 +78,8 @@ def _download(base: Path, workdir: Path) -> list[Path]:
     (base / "apt-cache").mkdir(exist_ok=True)
     (base / "sources.list").write_text(f"deb {MIRROR} {SUITE} main\n")
     opts = _apt_options(base)
-    commands.run(["apt-get", *opts, "update", "-q"], timeout=600)
-    commands.run(["apt-get", *opts, "download", *PACKAGES], timeout=900, cwd=workdir)
+    processutil.run(["apt-get", *opts, "update", "-q"], timeout=600)
+    processutil.run(["apt-get", *opts, "download", *PACKAGES], timeout=900, cwd=workdir)
     return [Path(p) for p in sorted(glob.glob(str(workdir / "*.deb")))]
 
 
@@ -109,7 +108,7 @@ def build(cache: Path) -> Path:
             )
         shutil.rmtree(root, ignore_errors=True)
         for deb in debs:
-            commands.run(["dpkg-deb", "-x", str(deb), str(root)], timeout=300)
+            processutil.run(["dpkg-deb", "-x", str(deb), str(root)], timeout=300)
     done.write_text(version + "\n")
     return root
 
@@ -119,6 +118,6 @@ def host_binds(cache: Path) -> dict[str, str]:
     root = cache / "qemu" / "root"
     if not (cache / "qemu" / "unpacked").exists():
         raise exceptions.MissingPrerequisite(
-            what=f"the lab QEMU in {root}", hint="run 'flexmig lab image build' (setup does)"
+            what=f"the lab QEMU in {root}", hint="run 'flexmig-lab image build' (setup does)"
         )
     return {"/" + rel: str(root / rel) for rel in HOST_PATHS}

@@ -13,8 +13,8 @@ import json
 import re
 import sys
 
-from flexmig import exceptions
-from flexmig.lab.host import LabHost
+from flexmig_lab import errors
+from flexmig_lab.host import LabHost
 from ovs_ext.providers.base import FlowCounters, FlowMatch, OffloadEntry
 
 PROTO_NAMES = {6: "tcp", 17: "udp"}
@@ -32,7 +32,7 @@ class HostXdp:
             input_text=stdin,
         )
         if check and proc.returncode != 0:
-            raise exceptions.LabError(
+            raise errors.LabError(
                 reason=f"xdp ctl {' '.join(args)} on host {self.host.name}: {proc.stderr.strip()}"
             )
         return json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.stderr}
@@ -89,5 +89,5 @@ def ovs_switched_packets(host: LabHost) -> int:
     out = host.ns.run(["ovs-ofctl", "dump-aggregate", "br-int"]).stdout
     match = re.search(r"packet_count=(\d+)", out)
     if match is None:
-        raise exceptions.LabError(reason=f"unexpected ovs-ofctl dump-aggregate output: {out!r}")
+        raise errors.LabError(reason=f"unexpected ovs-ofctl dump-aggregate output: {out!r}")
     return int(match.group(1))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from flexmig.lab.topology import LIBVIRT_TCP_PORT, HostSpec
+from flexmig_lab.topology import AGENT_PORT, LIBVIRT_TCP_PORT, HostSpec
 
 
 def libvirtd_conf(spec: HostSpec, host_uuid: str) -> str:
@@ -73,6 +73,7 @@ def agent_conf(
         [
             "[agent]",
             f"listen_address = {spec.mgmt_ip}",
+            f"port = {AGENT_PORT}",
             f"key_file = {key_file}",
             f"store_dir = {store_dir}",
             f"unix_socket = {unix_socket}",

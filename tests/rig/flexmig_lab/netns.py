@@ -18,8 +18,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from flexmig import exceptions
-from flexmig.lab import commands
+from flexmig import processutil
+from flexmig_lab import errors
 
 NETNS_DIR = Path("/run/netns")
 
@@ -36,14 +36,14 @@ def list_netns(prefix: str) -> list[str]:
 
 def add_netns(name: str) -> None:
     if not netns_exists(name):
-        commands.run(["ip", "netns", "add", name])
-    commands.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"])
+        processutil.run(["ip", "netns", "add", name])
+    processutil.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"])
 
 
 def pids_in_netns(name: str) -> list[int]:
     if not netns_exists(name):
         return []
-    proc = commands.run(["ip", "netns", "pids", name], check=False)
+    proc = processutil.run(["ip", "netns", "pids", name], check=False)
     return [int(p) for p in proc.stdout.split()]
 
 
@@ -63,7 +63,7 @@ def delete_netns(name: str, *, grace: float = 5.0) -> None:
     """Kill every process in the namespace, then delete it."""
     kill_pids(pids_in_netns(name), grace=grace)
     if netns_exists(name):
-        commands.run(["ip", "netns", "del", name])
+        processutil.run(["ip", "netns", "del", name])
 
 
 def _signal_all(pids: list[int], sig: signal.Signals) -> None:
@@ -158,7 +158,7 @@ class HostNamespace:
 
         def holder_ready() -> bool:
             if proc.poll() is not None:
-                raise exceptions.LabError(
+                raise errors.LabError(
                     reason=(
                         f"namespace holder for {self.netns} exited with {proc.returncode}; "
                         f"see {self.state_dir / 'holder.log'}"
@@ -166,7 +166,7 @@ class HostNamespace:
                 )
             return ready.exists()
 
-        commands.wait_for(holder_ready, timeout=timeout, what=f"{self.netns} holder mounts")
+        processutil.wait_for(holder_ready, timeout=timeout, what=f"{self.netns} holder mounts")
         # unshare --fork stays outside; its child is PID 1 of the host.
         init_pid = int(Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()[0])
         self.pid_file.write_text(str(init_pid))
@@ -175,11 +175,11 @@ class HostNamespace:
     def exec_prefix(self) -> list[str]:
         pid = self.holder_pid
         if pid is None:
-            raise exceptions.LabNotUp(reason=f"namespace holder of {self.netns} is not running")
+            raise errors.LabNotUp(reason=f"namespace holder of {self.netns} is not running")
         return ["nsenter", "-t", str(pid), "-m", "-u", "-n", "-p", "--"]
 
     def run(self, cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess[str]:
-        return commands.run(self.exec_prefix() + cmd, **kwargs)  # type: ignore[arg-type]
+        return processutil.run(self.exec_prefix() + cmd, **kwargs)  # type: ignore[arg-type]
 
     def spawn(self, cmd: list[str], log_path: Path) -> subprocess.Popen[bytes]:
         """Start a long-running process inside the host, detached from the caller."""
@@ -196,7 +196,7 @@ class HostNamespace:
         """A path inside the host's mount namespace, reachable from outside."""
         pid = self.holder_pid
         if pid is None:
-            raise exceptions.LabNotUp(reason=f"namespace holder of {self.netns} is not running")
+            raise errors.LabNotUp(reason=f"namespace holder of {self.netns} is not running")
         return Path(f"/proc/{pid}/root") / path.lstrip("/")
 
     def pid_alive(self, inner_pid: int) -> bool:

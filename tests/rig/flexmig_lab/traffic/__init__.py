@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from flexmig import exceptions
+from flexmig_lab import errors
 
 UDPGEN = Path(__file__).parent / "build" / "udpgen"
 READY_TIMEOUT = 10.0
@@ -29,7 +30,7 @@ def _json_result(proc: subprocess.Popen, timeout: float, what: str, name: str) -
         proc.communicate()
         raise exceptions.Timeout(seconds=timeout, what=what) from exc
     if proc.returncode != 0:
-        raise exceptions.LabError(reason=f"{name} failed: {err.strip()}")
+        raise errors.LabError(reason=f"{name} failed: {err.strip()}")
     return json.loads(out)
 
 
@@ -67,7 +68,7 @@ class Receiver:
         line = self.proc.stderr.readline() if ready else ""
         if "listening" not in line:
             self.proc.kill()
-            raise exceptions.LabError(reason=f"udpgen receiver did not start: {line.strip()!r}")
+            raise errors.LabError(reason=f"udpgen receiver did not start: {line.strip()!r}")
 
     def result(self) -> dict[str, float]:
         return _json_result(self.proc, self.timeout, "udpgen receiver", "udpgen recv")
@@ -99,7 +100,7 @@ def send(
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
     if proc.returncode != 0:
-        raise exceptions.LabError(
+        raise errors.LabError(
             reason=f"udpgen send failed after {time.monotonic() - start:.1f} s: "
             f"{proc.stderr.strip()}"
         )

@@ -5,7 +5,7 @@ what the host can, so benchmarks measure the switch, not the guest.  An
 endpoint looks to br-int like a VM port: a veth ``ep-<name>`` in the host's
 ``br-int``, its peer ``eth0`` in the namespace ``<lab>-ep-<name>`` with a
 tenant address.  The namespace name starts with the lab's prefix, so
-``flexmig lab down`` removes it with everything else.
+``flexmig-lab down`` removes it with everything else.
 
 Both ends have ``tx off``: OVS's userspace datapath does not complete the
 checksums veth leaves to offload.  ``eth0`` and the host's fabric-side uplink
@@ -22,9 +22,9 @@ import json
 import re
 from pathlib import Path
 
-from flexmig import exceptions
-from flexmig.lab import commands, fabric, netns, topology
-from flexmig.lab.lab import Lab
+from flexmig import exceptions, processutil
+from flexmig_lab import fabric, netns, topology
+from flexmig_lab.lab import Lab
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")
 ENDPOINT_IF = "eth0"
@@ -182,23 +182,23 @@ def add(lab: Lab, host_name: str, name: str, ip: str | None = None) -> Endpoint:
 
 def _plumb(spec: topology.HostSpec, endpoint: Endpoint) -> None:
     netns.add_netns(endpoint.netns)
-    commands.run(
+    processutil.run(
         [
             *("ip", "-n", spec.netns, "link", "add", endpoint.port, "type", "veth"),
             *("peer", "name", ENDPOINT_IF, "netns", endpoint.netns),
         ]
     )
     prefix = topology.TENANT_NET.prefixlen
-    commands.run(
+    processutil.run(
         ["ip", "-n", endpoint.netns, "addr", "add", f"{endpoint.ip}/{prefix}", "dev", ENDPOINT_IF]
     )
     for ns, ifname in ((spec.netns, endpoint.port), (endpoint.netns, ENDPOINT_IF)):
-        commands.run(["ip", "netns", "exec", ns, "ethtool", "-K", ifname, "tx", "off"])
-        commands.run(["ip", "-n", ns, "link", "set", ifname, "up"])
+        processutil.run(["ip", "netns", "exec", ns, "ethtool", "-K", ifname, "tx", "off"])
+        processutil.run(["ip", "-n", ns, "link", "set", ifname, "up"])
     _attach_rx_pass(endpoint.netns, ENDPOINT_IF)
     # Frames redirected to the endpoint are polled in a kernel thread, not in the
     # sender's softirq, as a NIC queue's IRQ would land on another core.
-    commands.run(
+    processutil.run(
         ["ip", "netns", "exec", endpoint.netns, "tee", f"/sys/class/net/{ENDPOINT_IF}/threaded"],
         input_text="1",
         check=False,  # best effort: polling in softirq still works, just slower

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
-from flexmig.lab import commands, netns, topology
-from flexmig.lab.topology import HostSpec
+from flexmig import processutil
+from flexmig_lab import netns, topology
+from flexmig_lab.topology import HostSpec
 
 
 def _in_fabric(*cmd: str) -> None:
-    commands.run(["ip", "netns", "exec", topology.FABRIC_NETNS, *cmd])
+    processutil.run(["ip", "netns", "exec", topology.FABRIC_NETNS, *cmd])
 
 
 def _in_host(spec: HostSpec, *cmd: str) -> None:
-    commands.run(["ip", "netns", "exec", spec.netns, *cmd])
+    processutil.run(["ip", "netns", "exec", spec.netns, *cmd])
 
 
 def _link_exists(ns: str, ifname: str) -> bool:
-    proc = commands.run(["ip", "-n", ns, "link", "show", ifname], check=False)
+    proc = processutil.run(["ip", "-n", ns, "link", "show", ifname], check=False)
     return proc.returncode == 0
 
 
@@ -37,7 +38,7 @@ def connect_host(spec: HostSpec) -> None:
     )
     for fabric_if, host_if, bridge in links:
         if not _link_exists(spec.netns, host_if):
-            commands.run(
+            processutil.run(
                 [
                     "ip",
                     "link",
@@ -78,7 +79,7 @@ def accept_xdp_redirects(spec: HostSpec) -> None:
         provider.attach_rx_pass(spec.fabric_tenant_if, topology.FABRIC_NETNS)
         # The fabric stands in for the physical network: its forwarding runs in
         # its own NAPI thread, so it is not charged to the hosts' softirq.
-        commands.run(
+        processutil.run(
             [
                 *("ip", "netns", "exec", topology.FABRIC_NETNS, "tee"),
                 f"/sys/class/net/{spec.fabric_tenant_if}/threaded",

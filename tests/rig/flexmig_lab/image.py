@@ -19,8 +19,8 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from flexmig import exceptions
-from flexmig.lab import commands, emulator
+from flexmig import exceptions, processutil
+from flexmig_lab import emulator
 
 KERNEL_METAPACKAGE = "linux-image-cloud-amd64"
 GUEST_SRC = Path(__file__).parent / "guest"
@@ -36,7 +36,7 @@ class GuestImage:
 
 
 def cache_dir() -> Path:
-    default = Path(__file__).resolve().parents[2] / ".cache" / "flexmig"
+    default = Path(__file__).resolve().parents[3] / ".cache" / "flexmig"
     return Path(os.environ.get("FLEXMIG_CACHE_DIR", default))
 
 
@@ -76,7 +76,7 @@ def module_load_order(modules_dep: str, wanted: tuple[str, ...]) -> list[str]:
 
 
 def _kernel_package() -> str:
-    out = commands.run(["apt-cache", "depends", KERNEL_METAPACKAGE]).stdout
+    out = processutil.run(["apt-cache", "depends", KERNEL_METAPACKAGE]).stdout
     for raw in out.splitlines():
         line = raw.strip()
         if line.startswith("Depends:") and "linux-image-" in line:
@@ -93,19 +93,19 @@ def fetch_kernel(cache: Path) -> tuple[Path, Path]:
     if not found:
         package = _kernel_package()
         with tempfile.TemporaryDirectory(dir=cache) as tmp:
-            commands.run(["apt-get", "download", package], timeout=600, cwd=tmp)
+            processutil.run(["apt-get", "download", package], timeout=600, cwd=tmp)
             debs = glob.glob(os.path.join(tmp, "*.deb"))
             if not debs:
                 raise exceptions.MissingPrerequisite(what=package, hint="apt-get download failed")
             root.mkdir(parents=True, exist_ok=True)
-            commands.run(["dpkg-deb", "-x", debs[0], str(root)], timeout=300)
+            processutil.run(["dpkg-deb", "-x", debs[0], str(root)], timeout=300)
         found = sorted(glob.glob(str(root / "boot" / "vmlinuz-*")))
     vmlinuz = Path(found[-1])
     version = vmlinuz.name.removeprefix("vmlinuz-")
     modules_dir = root / "lib" / "modules" / version
     if not (modules_dir / "modules.dep").exists():
         # The package leaves modules.dep to its postinst; make it here.
-        commands.run(["depmod", "-b", str(root), version], timeout=300)
+        processutil.run(["depmod", "-b", str(root), version], timeout=300)
     return vmlinuz, modules_dir
 
 
@@ -121,7 +121,7 @@ def _inputs_digest(modules_dir: Path) -> str:
 
 def _compile_programs(out_dir: Path) -> None:
     for prog in GUEST_PROGRAMS:
-        commands.run(
+        processutil.run(
             [
                 "gcc",
                 "-static",
@@ -188,7 +188,7 @@ def existing() -> GuestImage:
     initrds = sorted(glob.glob(str(cache / "initrd-*.cpio.gz")))
     if not kernels or not initrds:
         raise exceptions.MissingPrerequisite(
-            what=f"guest image in {cache}", hint="run 'flexmig lab image build' (setup does)"
+            what=f"guest image in {cache}", hint="run 'flexmig-lab image build' (setup does)"
         )
     emulator.host_binds(cache)  # raises the same way when the lab QEMU is missing
     return GuestImage(kernel=Path(kernels[-1]), initrd=Path(initrds[-1]))

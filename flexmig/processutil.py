@@ -1,7 +1,7 @@
-"""Running host commands and bounded waits.
+"""Running host commands with a timeout, and bounded waits.
 
 Every external command has a timeout and a failure becomes a CommandFailed that
-carries the command line and its stderr, so a broken lab step says which step.
+carries the command line and its stderr, so a failed step says which step.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def run(
         raise exceptions.Timeout(seconds=timeout, what=shlex.join(cmd)) from exc
     except FileNotFoundError as exc:
         raise exceptions.MissingPrerequisite(
-            what=cmd[0], hint="run tools/setup.sh to install the lab's packages"
+            what=cmd[0], hint="install it (tools/setup.sh installs what FlexMig needs)"
         ) from exc
     if check and proc.returncode != 0:
         raise exceptions.CommandFailed(

@@ -14,9 +14,9 @@ from collections.abc import Callable
 
 import libvirt
 
-from flexmig import exceptions, hypervisor
-from flexmig.lab import commands, heartbeat, image, recorder, vmspec
-from flexmig.lab.lab import Lab
+from flexmig import exceptions, hypervisor, processutil
+from flexmig_lab import heartbeat, image, recorder, vmspec
+from flexmig_lab.lab import Lab
 
 BOOT_TIMEOUT = 180.0
 COMMAND_TIMEOUT = 300.0
@@ -71,7 +71,7 @@ class LabVM:
                     return line.split(marker, 1)[1]
             return None
 
-        text = commands.wait_for(
+        text = processutil.wait_for(
             reply, timeout=timeout, interval=0.1, what=f"guest {self.name} to answer {cmd!r}"
         )
         if text.startswith("error="):
@@ -101,7 +101,7 @@ class LabVM:
             return report.beats > 0 and (host is None or report.last_host == host)
 
         try:
-            commands.wait_for(
+            processutil.wait_for(
                 fresh,
                 timeout=timeout,
                 interval=0.1,
@@ -125,7 +125,7 @@ def _next_index(lab: Lab) -> int:
 
 
 def _start_recorder(lab: Lab, vm: LabVM) -> None:
-    args = [sys.executable, "-m", "flexmig.lab.recorder", "--vm-dir", str(vm.dir)]
+    args = [sys.executable, "-m", "flexmig_lab.recorder", "--vm-dir", str(vm.dir)]
     for host in lab.hosts():
         args += ["--socket", f"{host.name}={host.ns.root_path(vm.spec.ctl_socket)}"]
     with open(vm.dir / "recorder.log", "ab") as log:
@@ -133,7 +133,7 @@ def _start_recorder(lab: Lab, vm: LabVM) -> None:
             args, stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True
         )
     (vm.dir / "recorder.pid").write_text(str(proc.pid))
-    commands.wait_for(
+    processutil.wait_for(
         lambda: (vm.dir / "cmd.fifo").exists(), timeout=10, what=f"the recorder of {vm.name}"
     )
 
@@ -166,7 +166,7 @@ def create(
             with hypervisor.wrap_errors(target.name, f"start {spec.name}"):
                 dom = conn.defineXML(xml)
                 dom.create()
-        commands.wait_for(
+        processutil.wait_for(
             lambda: " READY " in (vm.dir / "events.log").read_text(),
             timeout=BOOT_TIMEOUT,
             interval=0.2,

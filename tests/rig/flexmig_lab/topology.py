@@ -58,6 +58,7 @@ HOST_MGMT_IF = "mgmt0"
 HOST_TENANT_IF = "phy0"
 INTEGRATION_BRIDGE = "br-int"
 LIBVIRT_TCP_PORT = 16509
+AGENT_PORT = 9797  # every lab host's flexmig-agent, on its management address
 # The fabric namespace's own tenant address: a probe point for the tenant
 # network (e.g. pinging a VM through its host's br-int and uplink).
 TENANT_PROBE_IP = TENANT_NET.network_address + 254

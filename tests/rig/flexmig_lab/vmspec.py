@@ -12,7 +12,7 @@ import re
 from xml.sax.saxutils import escape, quoteattr
 
 from flexmig import exceptions
-from flexmig.lab import topology
+from flexmig_lab import topology
 
 NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,30}$")
 MIN_RAM_MIB = 128

@@ -1,4 +1,4 @@
-"""``flexmig lab endpoint add|list|del``: light traffic endpoints on lab hosts."""
+"""``flexmig-lab endpoint add|list|del``: light traffic endpoints on lab hosts."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import argparse
 import dataclasses
 import json
 
-from flexmig.lab import endpoints
-from flexmig.lab.lab import Lab
+from flexmig_lab import endpoints
+from flexmig_lab.lab import Lab
 
 
 def cmd_add(args: argparse.Namespace) -> int:

@@ -7,9 +7,9 @@ import sys
 import uuid
 from pathlib import Path
 
-from flexmig import exceptions
-from flexmig.lab import commands, daemon_config, emulator, image, netns, offload, topology
-from flexmig.lab.topology import HostSpec
+from flexmig import exceptions, processutil
+from flexmig_lab import daemon_config, emulator, image, netns, offload, topology
+from flexmig_lab.topology import HostSpec
 
 OVS_SCHEMA = "/usr/share/openvswitch/vswitch.ovsschema"
 DAEMON_START_TIMEOUT = 30.0
@@ -93,7 +93,7 @@ class LabHost:
             ],
             self.dir / "agent.log",
         )
-        commands.wait_for(
+        processutil.wait_for(
             lambda: self.agent_socket.exists(),
             timeout=DAEMON_START_TIMEOUT,
             what=f"flexmig-agent on host {self.name} (see {self.dir}/agent.log)",
@@ -101,7 +101,7 @@ class LabHost:
 
     def stop_agent(self) -> None:
         self.ns.run(["pkill", "-f", "agents.agent.service"], check=False)
-        commands.wait_for(
+        processutil.wait_for(
             lambda: not self.ns.run(
                 ["pgrep", "-f", "agents.agent.service"], check=False
             ).stdout.strip(),
@@ -137,7 +137,7 @@ class LabHost:
     def _start_ovs(self) -> None:
         db = self.dir / "etc-openvswitch" / "conf.db"
         if not db.exists():
-            commands.run(["ovsdb-tool", "create", str(db), OVS_SCHEMA])
+            processutil.run(["ovsdb-tool", "create", str(db), OVS_SCHEMA])
         if not self._pid_alive("/run/openvswitch/ovsdb-server.pid"):
             self.ns.run(
                 [
@@ -183,12 +183,12 @@ class LabHost:
             self.ns.run(["virtlogd", "--daemon", "--pid-file", "/run/virtlogd.pid"])
         if not self._pid_alive("/run/libvirtd.pid"):
             self.ns.run(["libvirtd", "--daemon", "--listen", "--pid-file", "/run/libvirtd.pid"])
-        commands.wait_for(
+        processutil.wait_for(
             lambda: self.libvirt_socket.exists(),
             timeout=DAEMON_START_TIMEOUT,
             what=f"libvirtd socket on host {self.name} (see {self.dir}/log-libvirt)",
         )
-        commands.wait_for(
+        processutil.wait_for(
             lambda: self.ns.run(
                 ["virsh", "-c", "qemu:///system", "version"], check=False, timeout=10
             ).returncode

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from agents.agent.client import AgentClient
 from flexmig import exceptions
-from flexmig.lab import fabric, netns, recorder, topology
-from flexmig.lab.host import LabHost, check_prerequisites
+from flexmig_lab import errors, fabric, netns, recorder, topology
+from flexmig_lab.host import LabHost, check_prerequisites
 
 DEFAULT_LAB_DIR = Path(topology.default_state_dir())
 DEFAULT_BUDGET_MB = 4096
@@ -45,7 +45,7 @@ class Lab:
     def specs(self) -> list[topology.HostSpec]:
         state = self._read_state()
         if state is None:
-            raise exceptions.LabNotUp(reason=f"no lab state in {self.dir}")
+            raise errors.LabNotUp(reason=f"no lab state in {self.dir}")
         return topology.host_specs(int(state["hosts"]))  # type: ignore[arg-type]
 
     def hosts(self) -> list[LabHost]:
@@ -69,10 +69,10 @@ class Lab:
         check_prerequisites()
         state = self._read_state()
         if state is not None and int(state["hosts"]) != host_count:  # type: ignore[arg-type]
-            raise exceptions.LabError(
+            raise errors.LabError(
                 reason=(
                     f"a lab with {state['hosts']} hosts is already up; "
-                    "run 'flexmig lab down' before changing the host count"
+                    "run 'flexmig-lab down' before changing the host count"
                 )
             )
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -104,6 +104,29 @@ class Lab:
     def agent(self, name: str) -> AgentClient:
         """A client for a host's agent, over its UNIX socket."""
         return AgentClient(str(self.host(name).agent_socket), 0, self.key(), timeout=60)
+
+    # -- the inventory ``flexmig explain``/``migrate``/``drain`` use (flexmig.migrate_cli) --
+    def host_names(self) -> list[str]:
+        return [spec.name for spec in self.specs]
+
+    def vm_host(self, vm: str) -> str | None:
+        from flexmig_lab.vm import LabVM  # vm builds on Lab
+
+        return LabVM(self, vm).locate()
+
+    def destination(self, to: str) -> tuple[str, dict[str, object]]:
+        dest = topology.host_by_name(self.specs, to)
+        return dest.name, {
+            "address": dest.mgmt_ip,
+            "port": topology.AGENT_PORT,
+            "libvirt_uri": dest.libvirt_uri,
+            "migration_uri": dest.migration_uri,
+        }
+
+    def guest(self, vm: str) -> object:
+        from flexmig_lab.vm import LabVM
+
+        return LabVM(self, vm)
 
     def status(self) -> dict[str, object]:
         state = self._read_state()

@@ -19,11 +19,11 @@ import sys
 from importlib import metadata
 from typing import TYPE_CHECKING
 
-from flexmig import exceptions
-from flexmig.lab import commands, topology
+from flexmig import processutil
+from flexmig_lab import errors, topology
 
 if TYPE_CHECKING:
-    from flexmig.lab.host import LabHost
+    from flexmig_lab.host import LabHost
 
 PROVIDER_NAMESPACE = "flexmig.offload_providers"
 STATUS_FILE = "/run/flexmig/offload-status.json"
@@ -52,6 +52,9 @@ def provider_installed(name: str) -> bool:
     return any(ep.name == name for ep in metadata.entry_points(group=PROVIDER_NAMESPACE))
 
 
+VM_PORT_PATTERNS = (r"tap\d+", r"ep-[a-z0-9]+")
+
+
 def offload_conf(provider: str, policy_file: str, poll_interval: float, extra: str = "") -> str:
     """The service's config file; ``extra`` appends sections (e.g. [offload_xdp])."""
     return extra + "\n".join(
@@ -64,6 +67,8 @@ def offload_conf(provider: str, policy_file: str, poll_interval: float, extra: s
             f"stats_endpoint = {ENDPOINT_SOCKET}",
             f"status_file = {STATUS_FILE}",
             f"uplinks = {topology.HOST_TENANT_IF}",
+            # The lab's VM taps (tapN) and traffic endpoints (ep-NAME), not Nova's.
+            f"vm_port_patterns = {','.join(VM_PORT_PATTERNS)}",
             # Fresh OVS counters every 100 ms: promotion within 200 ms
             # (docs/benchmarks/offload-control.md).
             "ovs_revalidator_ms = 100",
@@ -84,7 +89,7 @@ class LabOffload:
     def running(self) -> bool:
         try:
             pid = int(self.host.ns.root_path(PID_FILE).read_text())
-        except (FileNotFoundError, ValueError, exceptions.LabNotUp):
+        except (FileNotFoundError, ValueError, errors.LabNotUp):
             return False
         return self.host.ns.pid_alive(pid)
 
@@ -118,12 +123,12 @@ class LabOffload:
 
         def ready() -> bool:
             if proc is not None and proc.poll() is not None:  # type: ignore[attr-defined]
-                raise exceptions.LabError(
+                raise errors.LabError(
                     reason=f"flexmig-offload on {self.host.name} exited: {self.log_tail()}"
                 )
             return status.exists()
 
-        commands.wait_for(
+        processutil.wait_for(
             ready,
             timeout=START_TIMEOUT,
             what=f"flexmig-offload on host {self.host.name} (see {self.log_file})",
@@ -134,7 +139,7 @@ class LabOffload:
         if not self.running():
             return
         self.host.ns.run(["sh", "-c", f"kill -TERM $(cat {PID_FILE})"], check=False)
-        commands.wait_for(
+        processutil.wait_for(
             lambda: not self.running(),
             timeout=STOP_TIMEOUT,
             what=f"flexmig-offload on {self.host.name} to stop",
