@@ -71,8 +71,8 @@ agent_opts = [
         "allow_orchestration",
         default=True,
         help="Serve the routes that start and plan migrations on this agent's "
-        "own initiative (POST /v1/migrations, /v1/plan, the mover's "
-        "/v1/mover/*). Set to false on hosts where Nova drives live "
+        "own initiative (POST /v1/migrations, /v1/plan and the mover's "
+        "routes under /v1/mover/). Set to false on hosts where Nova drives live "
         "migration, so no holder of the shared key can move VMs behind "
         "Nova's back: those routes then answer 403.",
     ),
