@@ -73,6 +73,8 @@ def cmd_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
+    if args.nova:
+        return _drain_through_nova(args)
     from flexmig import drain_cli  # the drain's modules load only for this command
 
     lab = load_inventory(args.inventory)
@@ -99,6 +101,40 @@ def cmd_drain(args: argparse.Namespace) -> int:
     return 0 if moved and drain_cli.guests_ok(report) and not plan.unplaceable else 1
 
 
+def _drain_through_nova(args: argparse.Namespace) -> int:
+    """The same plan through Nova's API (openstacksdk: OS_CLOUD or OS_* variables)."""
+    import openstack
+
+    from agents.agent import auth
+    from agents.agent import config as agent_config
+    from nova_driver import drain as nova_drain
+
+    port = args.agent_port or next(o.default for o in agent_config.agent_opts if o.name == "port")
+    api = nova_drain.SdkNovaAPI(openstack.connect())
+    agents = nova_drain.hypervisor_agents(api, port, auth.load_key(args.agent_key_file))
+    plan, report = nova_drain.drain_host(
+        api,
+        args.host,
+        agents,
+        nova_limit=args.nova_max_concurrent,
+        max_concurrency=args.max_concurrency,
+        raise_limit=args.raise_nova_limit,
+        dry_run=args.dry_run,
+        link_mib=args.link_mib,
+    )
+    if report is None:
+        return 0
+    print(report.table())
+    return 0 if report.counts().get("completed", 0) == len(plan.moves) else 1
+
+
+def _link_mib(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 1_000_000:
+        raise argparse.ArgumentTypeError(f"{value} MiB/s not in 0..1000000")
+    return value
+
+
 def _concurrency(text: str) -> int:
     value = int(text)
     if not 1 <= value <= 8:
@@ -119,12 +155,39 @@ def _add_drain_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
     )
     p.add_argument(
         "--link-mib",
-        type=int,
+        type=_link_mib,
         default=0,
         help="the source uplink's bandwidth in MiB/s (default: the agents' probe)",
     )
     p.add_argument("--max-downtime-ms", type=int, help="downtime budget (default: agent's)")
     p.add_argument("--json", action="store_true", help="also print the outcome as JSON")
+    nova = p.add_argument_group("through Nova (a real cloud instead of the lab)")
+    nova.add_argument(
+        "--nova", action="store_true", help="drive Nova's live-migrate API (openstacksdk)"
+    )
+    nova.add_argument(
+        "--nova-max-concurrent",
+        type=_concurrency,
+        default=1,
+        metavar="N",
+        help="the computes' [DEFAULT] max_concurrent_live_migrations, 1..8 (Nova's default 1)",
+    )
+    nova.add_argument(
+        "--raise-nova-limit",
+        action="store_true",
+        help="plan beyond that limit (warned: raise it on the source compute first)",
+    )
+    nova.add_argument(
+        "--agent-key-file",
+        default="/etc/flexmig/agent.key",
+        help="the deployment's agent key (default /etc/flexmig/agent.key)",
+    )
+    nova.add_argument(
+        "--agent-port",
+        type=int,
+        default=None,
+        help="the agents' API port (default: the agent's own default, [agent] port)",
+    )
     p.set_defaults(func=cmd_drain)
 
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 import libvirt
 
@@ -16,6 +17,37 @@ def _silence(_ctx: object, _err: object) -> None:
 
 
 libvirt.registerErrorHandler(_silence, None)
+
+T = TypeVar("T")
+
+
+def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
+    """One libvirt call that returns, raises its own error, or times out.
+
+    libvirt's client waits for a reply without limit, and libvirtd waits for
+    QEMU's monitor without limit, so a daemon or QEMU that stops answering
+    would hold the caller for ever.  The call runs in a daemon thread; past
+    ``seconds`` the caller gets ``Timeout`` and decides what to do.  A libvirt
+    call cannot be cancelled: a stuck one is left to end, or to go with the
+    process.
+    """
+    outcome: list[object] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            outcome.append(call())
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the caller's thread
+            failure.append(exc)
+
+    worker = threading.Thread(target=run, name=f"libvirt: {what}", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if worker.is_alive():
+        raise exceptions.Timeout(seconds=seconds, what=what)
+    if failure:
+        raise failure[0]
+    return outcome[0]  # type: ignore[return-value]
 
 
 @contextlib.contextmanager
@@ -49,18 +81,32 @@ def find_domain(conn: libvirt.virConnect, name: str) -> libvirt.virDomain | None
 
 
 def start_migration(
-    dom: libvirt.virDomain, host: str, dest_uri: str, params: dict[str, object], flags: int
+    dom: libvirt.virDomain,
+    host: str,
+    dest_uri: str,
+    params: dict[str, object],
+    flags: int,
+    source_uri: str = "",
 ) -> tuple[threading.Thread, list[BaseException]]:
     """Run ``migrateToURI3`` in a worker thread, so the caller can watch the job.
 
+    With ``source_uri`` the call runs on a libvirt connection of its own: the
+    watcher's calls (statistics, the postcopy switch, abort) then never share
+    an RPC connection with a call that lasts the whole migration.
     The caller joins the thread and finds any error, already wrapped, in the list.
     """
     errors: list[BaseException] = []
+    name = dom.name()
 
     def migrate() -> None:
         try:
-            with wrap_errors(host, f"migrate {dom.name()} to {dest_uri}"):
-                dom.migrateToURI3(dest_uri, params, flags)
+            if not source_uri:
+                with wrap_errors(host, f"migrate {name} to {dest_uri}"):
+                    dom.migrateToURI3(dest_uri, params, flags)
+                return
+            with connect(source_uri, host) as conn:
+                with wrap_errors(host, f"migrate {name} to {dest_uri}"):
+                    conn.lookupByName(name).migrateToURI3(dest_uri, params, flags)
         except BaseException as exc:  # noqa: BLE001 - handed to the watching thread
             errors.append(exc)
 

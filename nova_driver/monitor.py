@@ -21,11 +21,16 @@ from typing import Any
 from nova.virt.libvirt import migration as libvirt_migrate
 from oslo_log import log as logging
 
+from flexmig import exceptions, hypervisor
 from flexmig.policy import inflight
 from nova_driver.planning import MigrationPlan
 
 LOG = logging.getLogger(__name__)
 POLL_S = 0.5
+# Longest wait for one libvirt call from the monitor: libvirt waits for QEMU's
+# monitor without limit, and a monitor stuck inside a call watches nothing (in
+# the lab, migrate_start_postcopy once did not return for 5 min).
+CALL_TIMEOUT_S = 30.0
 
 
 @dataclasses.dataclass
@@ -82,7 +87,11 @@ class PlanMonitor:
         migration = self.migration
         on_failure: collections.deque[str] = collections.deque()
         while True:
-            info = guest.get_job_info()
+            info = self._job_info(guest)
+            if info is None:
+                self._unanswered(guest)
+                time.sleep(POLL_S)
+                continue
             if info.type == lv.VIR_DOMAIN_JOB_NONE and future.done():
                 info.type = libvirt_migrate.find_job_type(guest, instance)
             if info.type == lv.VIR_DOMAIN_JOB_UNBOUNDED:
@@ -130,8 +139,7 @@ class PlanMonitor:
                 "FlexMig hybrid: switching to postcopy after precopy round %d (the plan's)",
                 info.memory_iteration - 1,
             )
-            libvirt_migrate.trigger_postcopy_switch(guest, instance, migration)
-            self.state.switched = migration.status == "running (post-copy)"
+            self._switch(guest, instance)
         if not self.state.switched and not self.state.stopped:
             self._correct(instance, guest, info, on_failure)
         self._watch_progress(guest, info)
@@ -164,8 +172,7 @@ class PlanMonitor:
             return
         LOG.info("FlexMig: %s", change.reason, instance=instance)
         if change.action == "switch_postcopy":
-            libvirt_migrate.trigger_postcopy_switch(guest, instance, self.migration)
-            self.state.switched = self.migration.status == "running (post-copy)"
+            self._switch(guest, instance)
         elif change.action == "raise_downtime" and change.downtime_ms is not None:
             try:
                 guest.migrate_configure_max_downtime(change.downtime_ms)
@@ -179,6 +186,42 @@ class PlanMonitor:
             on_failure.append("unpause")
             self.state.stopped = True
 
+    def _job_info(self, guest: Any) -> Any | None:
+        try:
+            return hypervisor.bounded(guest.get_job_info, CALL_TIMEOUT_S, "libvirt's job info")
+        except exceptions.Timeout as exc:
+            LOG.warning("FlexMig: %s", exc)
+            return None
+
+    def _unanswered(self, guest: Any) -> None:
+        """libvirt gives no job info: no progress, so a precopy is aborted in time."""
+        if self.state.switched or self.state.aborted_for:
+            return
+        if time.monotonic() - self.state.last_move > self.stall_timeout_s:
+            self._abort(guest, f"libvirt gave no job info for {self.stall_timeout_s:.0f} s")
+
+    def _switch(self, guest: Any, instance: Any) -> None:
+        """Nova's switch, bounded: unanswered, the precopy is aborted (the VM is whole)."""
+        try:
+            hypervisor.bounded(
+                lambda: libvirt_migrate.trigger_postcopy_switch(guest, instance, self.migration),
+                CALL_TIMEOUT_S,
+                "libvirt to switch to postcopy",
+            )
+        except exceptions.Timeout as exc:
+            # If QEMU did switch after all, libvirt refuses the abort and the
+            # migration goes on as postcopy.
+            self._abort(guest, str(exc))
+        self.state.switched = self.migration.status == "running (post-copy)"
+
+    def _abort(self, guest: Any, reason: str) -> None:
+        self.state.aborted_for = reason
+        LOG.warning("FlexMig: %s; aborting the precopy", reason)
+        try:
+            hypervisor.bounded(guest.abort_job, CALL_TIMEOUT_S, "libvirt to abort the job")
+        except (self.libvirt.libvirtError, exceptions.Timeout) as exc:
+            LOG.warning("FlexMig: the abort failed: %s", exc)
+
     def _watch_progress(self, guest: Any, info: Any) -> None:
         now = time.monotonic()
         if info.memory_processed != self.state.last_processed:
@@ -189,9 +232,4 @@ class PlanMonitor:
             # would lose it; libvirt and QEMU own postcopy recovery.
             return
         if now - self.state.last_move > self.stall_timeout_s:
-            self.state.aborted_for = f"no progress for {self.stall_timeout_s:.0f} s"
-            LOG.warning("FlexMig: %s; aborting the precopy", self.state.aborted_for)
-            try:
-                guest.abort_job()
-            except self.libvirt.libvirtError as exc:
-                LOG.warning("FlexMig: libvirt refused the abort: %s", exc)
+            self._abort(guest, f"no progress for {self.stall_timeout_s:.0f} s")

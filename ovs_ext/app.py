@@ -30,7 +30,7 @@ from os_ken.ofproto import ofproto_v1_3
 
 from ovs_ext import flows, openflow
 from ovs_ext.control import OffloadControl
-from ovs_ext.providers.base import FlowCounters, OffloadError
+from ovs_ext.providers.base import FlowCounters, FlowMatch, OffloadError
 
 LOG = logging.getLogger("flexmig.ovs_ext.app")
 # A stats request unanswered this many intervals is given up and re-sent.
@@ -65,6 +65,7 @@ class OffloadApp(app_manager.OSKenApp):
         self.port_numbers: dict[str, int] = {}
         self.mac_ports: dict[str, str] = {}
         self._stats_parts: dict[int, FlowCounters] = {}
+        self._learned_parts: dict[FlowMatch, FlowCounters] = {}
         self._stats_sent_at: float | None = None
         self._barrier_done = threading.Event()
         self._polls = 0
@@ -143,10 +144,11 @@ class OffloadApp(app_manager.OSKenApp):
         dp = self.datapath
         for flow in gone:
             self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto, flow.cookie, 2**64 - 1))
+        self.send(openflow.delete_counting_rules(dp.ofproto_parser, dp.ofproto, ofport))
         self.mac_ports = {mac: port for mac, port in self.mac_ports.items() if port != name}
         LOG.info("port %s left the bridge; %d flows dropped", name, len(gone))
 
-    # -- flow setup: the first packet is judged here -----------------------------------
+    # -- flow setup: a copy of the first packet is judged here ---------------------------
     @set_ev_cls(ofp_event.EventOFPPacketIn, MAIN_DISPATCHER)
     def _packet_in(self, ev: Any) -> None:
         msg = ev.msg
@@ -162,18 +164,18 @@ class OffloadApp(app_manager.OSKenApp):
         if parsed.eth_type == openflow.ETH_TYPE_ARP:
             return  # learnt; the rule's NORMAL action already forwarded it
         match = openflow.flow_match(in_port, parsed)
-        if match is not None:
-            out_port = self.mac_ports.get(parsed.eth_dst) or self._fdb_port(parsed.eth_dst)
-            with self.rt.lock:
-                flow, new = self.rt.control.flow_seen(match, out_port)
-                self.rt.control.flows.count_packet_in(match, msg.total_len)
+        if match is None:
+            return
+        out_port = self.mac_ports.get(parsed.eth_dst) or self._fdb_port(parsed.eth_dst)
+        with self.rt.lock:
+            flow, new = self.rt.control.flow_seen(match, out_port)
             if new:
-                rule = openflow.flow_rule(
-                    dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match
-                )
-                self.send(rule)
-        # The discovery rule only sent it here: forward it as the bridge would.
-        self.send(openflow.packet_out_normal(dp.ofproto_parser, dp.ofproto, in_ofport, msg.data))
+                # The bridge switched it (the discovery rule's NORMAL); only the
+                # first one is left uncounted by a per-flow rule: see openflow.py.
+                self.rt.control.flows.count_packet_in(match, msg.total_len)
+        if new:
+            rule = openflow.flow_rule(dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match)
+            self.send(rule)
 
     def _fdb_port(self, mac: str) -> str | None:
         """Where the bridge's own MAC learning put ``mac`` (hosts whose ARP
@@ -214,6 +216,7 @@ class OffloadApp(app_manager.OSKenApp):
         if sent is not None and time.monotonic() - sent < patience:
             return  # the previous poll is still being answered
         self._stats_parts = {}
+        self._learned_parts = {}
         self._stats_sent_at = time.monotonic()
         self.send(openflow.owned_stats_request(dp.ofproto_parser, dp.ofproto))
 
@@ -224,12 +227,11 @@ class OffloadApp(app_manager.OSKenApp):
             return
 
         for stat in msg.body:
-            flow_id = flows.cookie_flow_id(stat.cookie)
-            if flow_id is not None:
-                self._stats_parts[flow_id] = FlowCounters(stat.packet_count, stat.byte_count)
+            self._collect(stat)
         if msg.flags & msg.datapath.ofproto.OFPMPF_REPLY_MORE:
             return
         rule_stats, self._stats_parts = self._stats_parts, {}
+        learned_stats, self._learned_parts = self._learned_parts, {}
         self._stats_sent_at = None
         with self.rt.lock:
             control = self.rt.control
@@ -238,7 +240,7 @@ class OffloadApp(app_manager.OSKenApp):
             except OffloadError as exc:
                 LOG.error("provider %s statistics: %s", control.provider_name, exc)
                 provider_stats = {}
-            report = control.poll(rule_stats, provider_stats)
+            report = control.poll(rule_stats, provider_stats, learned_stats)
             self._polls += 1
             # Every poll while small; a big table is rewritten less often.
             every = 1 if len(control.flows) <= STATUS_EVERY_POLL_UP_TO else 10
@@ -248,6 +250,26 @@ class OffloadApp(app_manager.OSKenApp):
         for flow in report.expired:
             exact = openflow.delete_owned(dp.ofproto_parser, dp.ofproto, flow.cookie, 2**64 - 1)
             self.send(exact)
+            ofport = self.ofport_of(flow.match.in_port)
+            if ofport is not None:
+                self.send(
+                    openflow.delete_counting_rules(
+                        dp.ofproto_parser, dp.ofproto, ofport, flow.match
+                    )
+                )
+
+    def _collect(self, stat: Any) -> None:
+        """One rule of a flow-stats reply: a flow's own rule (by the id in its
+        cookie) or a counting rule (by its match)."""
+        counters = FlowCounters(stat.packet_count, stat.byte_count)
+        flow_id = flows.cookie_flow_id(stat.cookie)
+        if flow_id is not None:
+            self._stats_parts[flow_id] = counters
+        elif flows.is_counting_cookie(stat.cookie):
+            port = self.port_names.get(stat.match.get("in_port"))
+            match = openflow.counted_match(stat.match, port)
+            if match is not None:
+                self._learned_parts[match] = counters
 
     # -- helpers ------------------------------------------------------------------------
     def send(self, msg: Any) -> None:

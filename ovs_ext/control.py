@@ -150,8 +150,10 @@ class OffloadControl:
         self,
         rule_stats: Mapping[int, FlowCounters],
         provider_stats: Mapping[FlowMatch, FlowCounters],
+        learned_stats: Mapping[FlowMatch, FlowCounters] | None = None,
     ) -> PollReport:
         """One statistics interval: update counters, then promote and demote."""
+        self.flows.observe_learned_stats(learned_stats or {})
         self.flows.observe_rule_stats(rule_stats)
         self.flows.observe_provider_stats(provider_stats)
         self.flows.sample()

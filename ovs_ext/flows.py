@@ -2,8 +2,11 @@
 
 A flow's packets are counted in exactly one place at a time:
 
-- ``packet_in``: packets the controller judged and sent on itself (the first
-  packet(s) of a flow, before its OpenFlow rule existed);
+- ``packet_in``: the flow's first packet, the one the controller judged (the
+  bridge switched it through the shared discovery rule, so no per-flow rule
+  counts it);
+- ``learned``: packets the bridge switched before the flow's own rule existed,
+  from its counting rule (see :mod:`ovs_ext.openflow`, "Why a counting rule");
 - ``rule``: the flow's own OpenFlow rule in ``br-int`` (onloaded traffic);
   the rule stays installed while the flow is offloaded, so these counters are
   never reset by a move;
@@ -11,7 +14,7 @@ A flow's packets are counted in exactly one place at a time:
 - ``offload_done``: final counters of earlier offload entries, carried over when
   the provider removed them (demotion, eviction).
 
-The total is the sum of the four: continuous across promotion and demotion,
+The total is the sum of the five: continuous across promotion and demotion,
 never reset, never double-counted.  No I/O here: the OpenFlow app and the
 provider feed observations in; :meth:`FlowManager.records` turns the state
 into the :class:`~ovs_ext.flow_record.FlowRecord` list the statistics endpoint
@@ -38,6 +41,9 @@ DISCOVERY_PRIORITY = 10
 # Offloaded flows are shown as their own entries in a table OVS never uses, so
 # `ovs-ofctl dump-flows <endpoint> table=200` lists exactly what is offloaded.
 OFFLOAD_TABLE = 200
+# The table the discovery rules' learn action puts each flow's counting rule in
+# (reached only by their resubmit, so it never decides where a packet goes).
+COUNTING_TABLE = 1
 # Cookies: the app owns every rule whose top 16 bits are COOKIE_PREFIX; the low
 # 40 bits carry the flow's id, so a flow-stats reply maps back without a lookup.
 COOKIE_PREFIX = 0xF1E0
@@ -45,6 +51,7 @@ COOKIE_MASK = 0xFFFF << 48
 COOKIE_KIND_FLOW = 1
 COOKIE_KIND_DISCOVERY = 2
 COOKIE_KIND_TABLE_MISS = 3
+COOKIE_KIND_COUNTING = 4
 HISTORY_SAMPLES = 256
 
 
@@ -58,6 +65,15 @@ def discovery_cookie(ofport: int) -> int:
 
 def table_miss_cookie() -> int:
     return (COOKIE_PREFIX << 48) | (COOKIE_KIND_TABLE_MISS << 40)
+
+
+def counting_cookie() -> int:
+    """One cookie for every counting rule: a learn action cannot vary it."""
+    return (COOKIE_PREFIX << 48) | (COOKIE_KIND_COUNTING << 40)
+
+
+def is_counting_cookie(cookie: int) -> bool:
+    return cookie >> 40 == counting_cookie() >> 40
 
 
 def cookie_flow_id(cookie: int) -> int | None:
@@ -85,6 +101,7 @@ class TrackedFlow:
     reason: str = ""  # why it is where it is: the rule, the refusal, the eviction
     rule_installed: bool = False
     packet_in: FlowCounters = dataclasses.field(default_factory=FlowCounters)
+    learned: FlowCounters = dataclasses.field(default_factory=FlowCounters)
     rule: FlowCounters = dataclasses.field(default_factory=FlowCounters)
     offload_live: FlowCounters = dataclasses.field(default_factory=FlowCounters)
     offload_done: FlowCounters = dataclasses.field(default_factory=FlowCounters)
@@ -103,7 +120,7 @@ class TrackedFlow:
 
     @property
     def onloaded_counters(self) -> FlowCounters:
-        return self.packet_in + self.rule
+        return self.packet_in + self.learned + self.rule
 
     @property
     def offloaded_counters(self) -> FlowCounters:
@@ -177,7 +194,7 @@ class FlowManager:
 
     # -- observations -----------------------------------------------------------
     def count_packet_in(self, match: FlowMatch, length: int) -> None:
-        """A packet the controller forwarded itself (before the rule existed)."""
+        """The flow's first packet, judged by the controller."""
         flow = self._flows[match]
         flow.packet_in = flow.packet_in + FlowCounters(1, length)
 
@@ -188,6 +205,15 @@ class FlowManager:
             if flow is not None:
                 flow.rule = counters
                 flow.rule_installed = True
+
+    def observe_learned_stats(self, stats: Mapping[FlowMatch, FlowCounters]) -> None:
+        """Counting-rule counters by flow.  They only grow while the flow has no
+        rule of its own and then idle out: a missing or smaller reading (a rule
+        learnt anew) never lowers what was counted."""
+        for match, counters in stats.items():
+            flow = self._flows.get(match)
+            if flow is not None and counters.packets >= flow.learned.packets:
+                flow.learned = counters
 
     def observe_provider_stats(self, stats: Mapping[FlowMatch, FlowCounters]) -> None:
         """Live counters of the provider's entries (only offloaded flows have one)."""

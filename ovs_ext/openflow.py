@@ -4,16 +4,30 @@ Pure builders over an os-ken ``ofproto_v1_3_parser`` module (golden-tested in
 the unit tests) and a header parser for packet-ins.  Three kinds of rule, all
 tagged with cookies under :data:`~ovs_ext.flows.COOKIE_MASK`:
 
-- per watched port (VM ports and uplinks), priority 10: IPv4 TCP and UDP go
-  to the controller *only*, so each first packet is judged in the host and
-  forwarded by the app (counted once, never lost to a race with the rule);
-  ARP goes to the controller (truncated) *and* NORMAL, so the app learns
-  which port each MAC sits behind without being on ARP's path;
+- per watched port (VM ports and uplinks), priority 10: IPv4 TCP and UDP
+  are switched NORMAL by the bridge itself, a header copy goes to the app to
+  be judged, and a ``learn`` action creates the flow's *counting rule* in
+  :data:`~ovs_ext.flows.COUNTING_TABLE` which the packet then traverses
+  (see "Why a counting rule" below); ARP goes to the controller (truncated)
+  *and* NORMAL, so the app learns which port each MAC sits behind;
 - per flow, priority 100: the 5-tuple on its in_port, NORMAL — the rule whose
   counters are the flow's onloaded traffic;
 - a priority-0 NORMAL rule for everything else (ICMP, other ethertypes,
   unwatched ports): ovs-vswitchd removes its own default NORMAL rule once a
   bridge has a controller, so the app puts it back, as Neutron's agent does.
+
+Why a counting rule: OVS credits a datapath flow's packets to the rules its
+key translates to *when the revalidator next pushes them*, not when they
+passed.  Packets of a burst that hit the discovery rule's datapath flow before
+the per-flow rule existed used to be sent to the app (counted and forwarded
+there) and then credited again to the new per-flow rule by that push: a flow
+starting with 640 unpaced packets showed 907.  Now the bridge forwards every
+packet and the app counts none but the first (the datapath miss, credited to
+the shared discovery rule).  Every later pre-rule packet is credited exactly
+once, by the push, either to the flow's rule (pushed after it exists) or to its
+counting rule (pushed before): first + counting + flow rule = what passed.
+The learn also reads the whole 5-tuple, so the datapath flow is per flow, never
+a megaflow that would credit another flow's packets to this one.
 """
 
 from __future__ import annotations
@@ -31,6 +45,10 @@ ETH_TYPE_ARP = 0x0806
 ETH_HEADER = struct.Struct("!6s6sH")
 IPV4_MIN_HEADER = 20
 ARP_LEARN_MAX_LEN = 64  # enough for Ethernet + ARP's sender fields
+JUDGE_MAX_LEN = 128  # Ethernet + the longest IPv4 header + the L4 ports
+# A counting rule outlives its flow's rule only until it has been idle this
+# long (the app also deletes it with the flow); its last counters are kept.
+COUNTING_IDLE_TIMEOUT = 30
 OFPCML_NO_BUFFER = 0xFFFF
 OFP_NO_BUFFER = 0xFFFFFFFF
 
@@ -95,9 +113,9 @@ def flow_match(in_port: str, parsed: ParsedPacket) -> FlowMatch | None:
 
 # -- rule builders ------------------------------------------------------------------
 def discovery_rules(parser: ModuleType, ofproto: ModuleType, ofport: int) -> list[Any]:
-    """Flow-mods sending a watched port's new TCP/UDP flows (and ARP) to the app."""
+    """Flow-mods switching a watched port's new TCP/UDP flows (a copy to the app,
+    the flow's counting rule learnt) and sending ARP to the app as well."""
     cookie = flows.discovery_cookie(ofport)
-    to_app = parser.OFPActionOutput(ofproto.OFPP_CONTROLLER, OFPCML_NO_BUFFER)
     mods = [
         _flow_mod(
             parser,
@@ -105,8 +123,13 @@ def discovery_rules(parser: ModuleType, ofproto: ModuleType, ofport: int) -> lis
             cookie,
             flows.DISCOVERY_PRIORITY,
             parser.OFPMatch(in_port=ofport, eth_type=ETH_TYPE_IPV4, ip_proto=proto),
-            [to_app],
-        )
+            [
+                counting_learn(parser, proto),
+                parser.NXActionResubmitTable(table_id=flows.COUNTING_TABLE),
+                parser.OFPActionOutput(ofproto.OFPP_NORMAL),
+                parser.OFPActionOutput(ofproto.OFPP_CONTROLLER, JUDGE_MAX_LEN),
+            ],
+        )  # fmt: skip
         for proto in (IPPROTO_TCP, IPPROTO_UDP)
     ]
     learn_arp = [
@@ -124,6 +147,32 @@ def discovery_rules(parser: ModuleType, ofproto: ModuleType, ofport: int) -> lis
         )
     )
     return mods
+
+
+def counting_learn(parser: ModuleType, proto: int) -> Any:
+    """``learn``: the packet's exact 5-tuple on its in_port, no actions, in the
+    counting table (a rule that only counts what traverses it)."""
+    l4 = "tcp" if proto == IPPROTO_TCP else "udp"
+
+    def copy(field: str, bits: int) -> Any:
+        return parser.NXFlowSpecMatch(src=(field, 0), dst=(field, 0), n_bits=bits)
+
+    specs = [
+        copy("in_port", 32),
+        parser.NXFlowSpecMatch(src=ETH_TYPE_IPV4, dst=("eth_type", 0), n_bits=16),
+        parser.NXFlowSpecMatch(src=proto, dst=("ip_proto", 0), n_bits=8),
+        copy("ipv4_src", 32),
+        copy("ipv4_dst", 32),
+        copy(f"{l4}_src", 16),
+        copy(f"{l4}_dst", 16),
+    ]
+    return parser.NXActionLearn(
+        table_id=flows.COUNTING_TABLE,
+        specs=specs,
+        idle_timeout=COUNTING_IDLE_TIMEOUT,
+        priority=flows.FLOW_PRIORITY,
+        cookie=flows.counting_cookie(),
+    )
 
 
 def table_miss_rule(parser: ModuleType, ofproto: ModuleType) -> Any:
@@ -166,7 +215,11 @@ def delete_judging_rules(parser: ModuleType, ofproto: ModuleType) -> list[Any]:
     prefix = flows.COOKIE_PREFIX << 48
     return [
         delete_rules(parser, ofproto, prefix | (kind << 40), kind_mask)
-        for kind in (flows.COOKIE_KIND_DISCOVERY, flows.COOKIE_KIND_FLOW)
+        for kind in (
+            flows.COOKIE_KIND_DISCOVERY,
+            flows.COOKIE_KIND_FLOW,
+            flows.COOKIE_KIND_COUNTING,
+        )
     ]
 
 
@@ -184,26 +237,46 @@ def delete_rules(parser: ModuleType, ofproto: ModuleType, cookie: int, cookie_ma
 
 
 def owned_stats_request(parser: ModuleType, ofproto: ModuleType) -> Any:
-    """Flow statistics of every per-flow rule the app owns."""
+    """Flow statistics of every rule the app owns, in every table (one request,
+    so the per-flow and counting rules are read at the same moment)."""
     return parser.OFPFlowStatsRequest(
         datapath=None,
-        table_id=flows.FLOW_TABLE,
+        table_id=ofproto.OFPTT_ALL,
         out_port=ofproto.OFPP_ANY,
         out_group=ofproto.OFPG_ANY,
-        cookie=(flows.COOKIE_PREFIX << 48) | (flows.COOKIE_KIND_FLOW << 40),
-        cookie_mask=flows.COOKIE_MASK | (0xFF << 40),
+        cookie=flows.COOKIE_PREFIX << 48,
+        cookie_mask=flows.COOKIE_MASK,
         match=parser.OFPMatch(),
     )
 
 
-def packet_out_normal(parser: ModuleType, ofproto: ModuleType, in_port: int, data: bytes) -> Any:
-    """Send a judged first packet on as if the bridge had switched it (NORMAL)."""
-    return parser.OFPPacketOut(
+def counted_match(fields: Any, port_name: str | None) -> FlowMatch | None:
+    """The flow a counting rule's match (from a flow-stats reply) counts for."""
+    if port_name is None:
+        return None
+    proto = fields.get("ip_proto")
+    l4 = {IPPROTO_TCP: "tcp", IPPROTO_UDP: "udp"}.get(proto)
+    if l4 is None:
+        return None
+    return FlowMatch(port_name, proto, fields.get("ipv4_src"), fields.get("ipv4_dst"),
+                     fields.get(f"{l4}_src"), fields.get(f"{l4}_dst"))  # fmt: skip
+
+
+def delete_counting_rules(parser: ModuleType, ofproto: ModuleType, in_port: int,
+                          match: FlowMatch | None = None) -> Any:  # fmt: skip
+    """Delete one flow's counting rule, or every one on ``in_port``."""
+    fields: dict[str, Any] = {"in_port": in_port}
+    if match is not None:
+        fields = dict(flows.openflow_match(match, in_port))
+    return parser.OFPFlowMod(
         datapath=None,
-        buffer_id=OFP_NO_BUFFER,
-        in_port=in_port,
-        actions=[parser.OFPActionOutput(ofproto.OFPP_NORMAL)],
-        data=data,
+        cookie=flows.counting_cookie(),
+        cookie_mask=flows.COOKIE_MASK | (0xFF << 40),
+        table_id=flows.COUNTING_TABLE,
+        command=ofproto.OFPFC_DELETE,
+        out_port=ofproto.OFPP_ANY,
+        out_group=ofproto.OFPG_ANY,
+        match=parser.OFPMatch(**fields),
     )
 
 

@@ -308,6 +308,7 @@ class MigrationService:
         assert decision is not None
         config = JobConfig(
             dest_libvirt_uri=dest.libvirt_uri,
+            source_libvirt_uri=self.conf.agent.libvirt_uri,
             migration_uri=migration_uri,
             bandwidth_mib=record.bandwidth_mib,
             stall_timeout_s=self.conf.agent.stall_timeout,

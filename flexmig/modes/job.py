@@ -5,6 +5,13 @@ caller's thread.  Watchdogs turn a stalled stream or a lost destination agent
 into an abort while abort is still safe (precopy: the VM keeps running on the
 source).  Once postcopy has started the VM's state is split between hosts, so
 a stall pauses postcopy instead and the job keeps trying to resume it.
+
+Every libvirt call the watch makes has a deadline (``call_timeout_s``), and
+so has libvirt's own job once interrupted (``end_timeout_s``): a daemon or
+QEMU that stops answering becomes a reported failure with the VM's state
+named, never a watch that waits for ever.  (The lab met this: with libvirt 9.0
+and QEMU 10, ``migrateStartPostCopy`` once never returned, and the watch that
+would have aborted the stuck precopy sat inside that call.)
 """
 
 from __future__ import annotations
@@ -40,6 +47,16 @@ class JobConfig:
     downtime_budget_ms: int = 0
     # libvirt parallel connections (QEMU multifd channels); 1: the single stream.
     parallel: int = 1
+    # The source's own libvirt, for questions asked on a connection of their
+    # own; "": not asked (the job's connection alone).
+    source_libvirt_uri: str = ""
+    # Longest wait for the first page to move: libvirt starts the destination
+    # QEMU first, seconds on a busy host, which is no stall.
+    setup_timeout_s: float = 60.0
+    # Longest wait for one libvirt call (job statistics, switch, abort).
+    call_timeout_s: float = 20.0
+    # Longest wait for libvirt's job to end once interrupted.
+    end_timeout_s: float = 60.0
 
 
 @dataclasses.dataclass
@@ -80,6 +97,8 @@ class MigrationJob:
         self._abort_reason: str | None = None
         self._limit_ms = decision.max_downtime_ms
         self._stopped = False  # paused for seed 000's stop-and-copy
+        self._interrupted_at: float | None = None
+        self._abandoned = False  # libvirt's job never ended after the interruption
 
     def _params(self) -> dict[str, object]:
         params: dict[str, object] = {libvirt.VIR_MIGRATE_PARAM_URI: self.config.migration_uri}
@@ -96,16 +115,27 @@ class MigrationJob:
         if self.config.parallel > 1:
             flags |= libvirt.VIR_MIGRATE_PARALLEL
         return hypervisor.start_migration(
-            self.dom, self.host, self.config.dest_libvirt_uri, self._params(), flags
+            self.dom,
+            self.host,
+            self.config.dest_libvirt_uri,
+            self._params(),
+            flags,
+            self.config.source_libvirt_uri,
         )
 
     def run(self) -> JobResult:
         start = time.monotonic()
         with hypervisor.wrap_errors(self.host, "set the downtime limit"):
-            self.dom.migrateSetMaxDowntime(self.decision.max_downtime_ms)
+            limit = self.decision.max_downtime_ms
+            self._call(lambda: self.dom.migrateSetMaxDowntime(limit), "set the downtime limit")
         worker, errors = self._start(self.mode.flags(self.decision))
         self._watch(worker)
-        if errors and self.result.switched_to_postcopy:
+        if errors and not self.result.switched_to_postcopy and self._source_in_postcopy():
+            # The switch was made although libvirt never answered it.
+            self.result.switched_to_postcopy = True
+        if self._abandoned:
+            self._give_up()
+        elif errors and self.result.switched_to_postcopy:
             self.on_event(f"postcopy interrupted ({errors[0]}); recovering")
             self._recover()
         elif errors:
@@ -122,16 +152,20 @@ class MigrationJob:
     def _watch(self, worker: threading.Thread) -> None:
         last_bytes, last_move = -1, time.monotonic()
         peer_failures, next_peer_check = 0, time.monotonic() + PEER_CHECK_INTERVAL_S
+        self._interrupted_at = None
         while worker.is_alive():
             worker.join(self.config.poll_s)
+            if self._job_outlived_interruption():
+                return
             stats = self._stats()
             if stats:
                 self._on_stats(stats)
                 if stats.get("memory_processed", 0) != last_bytes:
                     last_bytes, last_move = stats.get("memory_processed", 0), time.monotonic()
             # No statistics at all (libvirt busy with a stuck QEMU) is no progress too.
-            if worker.is_alive() and time.monotonic() - last_move > self.config.stall_timeout_s:
-                self._interrupt(f"no progress for {self.config.stall_timeout_s:.0f} s")
+            limit = self.config.stall_timeout_s if last_bytes > 0 else self.config.setup_timeout_s
+            if worker.is_alive() and time.monotonic() - last_move > limit:
+                self._interrupt(f"no progress for {limit:.0f} s")
                 last_move = time.monotonic()
             if self.peer_alive and time.monotonic() >= next_peer_check:
                 next_peer_check = time.monotonic() + PEER_CHECK_INTERVAL_S
@@ -142,6 +176,8 @@ class MigrationJob:
     def _on_stats(self, stats: dict[str, int]) -> None:
         phase = "postcopy" if self.result.switched_to_postcopy else "precopy"
         self.on_progress(phase, stats)
+        if self._interrupted_at is not None:
+            return  # being ended: no more switches or corrections
         if not self.result.switched_to_postcopy and self.mode.should_switch_to_postcopy(
             self.decision, stats
         ):
@@ -171,19 +207,40 @@ class MigrationJob:
             if change.action == "switch_postcopy":
                 self._switch_to_postcopy(stats)
             elif change.action == "raise_downtime" and change.downtime_ms is not None:
-                self._limit_ms = change.downtime_ms
-                self.dom.migrateSetMaxDowntime(change.downtime_ms)
+                self._limit_ms = limit = change.downtime_ms
+                self._call(lambda: self.dom.migrateSetMaxDowntime(limit), "raise the limit")
             elif change.action == "stop_and_copy":
                 self._stopped = True
                 # A failed migration resumes it (_keep_source_running).
-                self.dom.suspend()
+                self._call(self.dom.suspend, "pause the guest")
         except libvirt.libvirtError as exc:
             self.on_event(f"libvirt refused the correction: {exc.get_error_message()}")
+        except exceptions.Timeout as exc:
+            self.on_event(str(exc))
+
+    def _job_outlived_interruption(self) -> bool:
+        if self._interrupted_at is None:
+            return False
+        if time.monotonic() - self._interrupted_at < self.config.end_timeout_s:
+            return False
+        self._abandoned = True
+        self.on_event(
+            f"libvirt's migration job did not end within {self.config.end_timeout_s:.0f} s "
+            "of the interruption; no longer waiting for it"
+        )
+        return True
+
+    def _call(self, call: Callable[[], object], what: str) -> object:
+        return hypervisor.bounded(call, self.config.call_timeout_s, f"libvirt to {what}")
 
     def _stats(self) -> dict[str, int]:
         try:
-            stats = _int_stats(self.dom.jobStats())
+            stats = _int_stats(self._call(self.dom.jobStats, "report job statistics"))
         except libvirt.libvirtError:
+            return {}
+        except exceptions.Timeout as exc:
+            # No statistics count as no progress: the stall watchdog acts.
+            self.on_event(str(exc))
             return {}
         if stats:
             self.result.last_stats = stats
@@ -191,10 +248,17 @@ class MigrationJob:
 
     def _switch_to_postcopy(self, stats: dict[str, int]) -> None:
         try:
-            self.dom.migrateStartPostCopy()
+            self._call(self.dom.migrateStartPostCopy, "switch to postcopy")
         except libvirt.libvirtError as exc:
             self.on_event(f"switch to postcopy refused: {exc.get_error_message()}")
             return
+        except exceptions.Timeout as exc:
+            self.on_event(str(exc))
+            if not self._source_in_postcopy():
+                # Still precopy, with a daemon that does not answer: abort
+                # while the VM is whole on the source.
+                self._interrupt("libvirt did not answer the switch to postcopy")
+                return
         self.result.switched_to_postcopy = True
         self.on_event(f"switched to postcopy after round {stats.get('memory_iteration', 0) - 1}")
 
@@ -202,16 +266,66 @@ class MigrationJob:
         """Abort while precopy (safe), pause while postcopy (recoverable)."""
         self._abort_reason = reason
         self.on_event(f"interrupting: {reason}")
+        if self._interrupted_at is None:
+            self._interrupted_at = time.monotonic()
         try:
             if self.result.switched_to_postcopy:
-                self.dom.abortJobFlags(libvirt.VIR_DOMAIN_ABORT_JOB_POSTCOPY)
+                self._call(
+                    lambda: self.dom.abortJobFlags(libvirt.VIR_DOMAIN_ABORT_JOB_POSTCOPY),
+                    "pause the postcopy",
+                )
             else:
-                self.dom.abortJob()
+                self._call(self.dom.abortJob, "abort the precopy")
         except libvirt.libvirtError as exc:
             self.on_event(f"libvirt refused the interruption: {exc.get_error_message()}")
+        except exceptions.Timeout as exc:
+            self.on_event(str(exc))
+
+    def _source_in_postcopy(self) -> bool:
+        """Whether the source has handed execution over (libvirt pauses it for postcopy).
+
+        Asked on a connection of its own: the job's may be the one stuck.
+        """
+
+        def state() -> tuple[int, int]:
+            with hypervisor.connect(self.config.source_libvirt_uri, self.host) as conn:
+                dom = hypervisor.find_domain(conn, self.dom.name())
+                return tuple(dom.state()) if dom is not None else (0, 0)  # type: ignore[return-value]
+
+        if not self.config.source_libvirt_uri:
+            return False
+        try:
+            found = self._call(state, "report the source VM's state")
+        except (libvirt.libvirtError, exceptions.FlexMigError):
+            return False
+        return found == (libvirt.VIR_DOMAIN_PAUSED, libvirt.VIR_DOMAIN_PAUSED_POSTCOPY)
+
+    def _give_up(self) -> None:
+        """libvirt's job outlived its interruption: report where the VM is, keep it alive."""
+        self.result.state = "failed"
+        if self.result.switched_to_postcopy or self._source_in_postcopy():
+            self.result.switched_to_postcopy = True
+            where = (
+                "postcopy had started, so the VM's memory is split between the hosts and "
+                "it is paused; resume it with 'virsh migrate --postcopy --postcopy-resume' "
+                "once libvirt answers again"
+            )
+        else:
+            self._keep_source_running()
+            where = "the VM was still whole on the source and is left running there"
+        self.result.error = (
+            f"{self._abort_reason or 'interrupted'}; libvirt's job did not end within "
+            f"{self.config.end_timeout_s:.0f} s of the interruption: {where}"
+        )
 
     def _landed_on_destination(self) -> bool:
         """Whether the source gave the VM up as migrated and it runs on the destination."""
+        try:
+            return bool(self._call(self._landed, "report where the VM runs"))
+        except exceptions.Timeout:
+            return False
+
+    def _landed(self) -> bool:
         try:
             state, reason = self.dom.state()
             if (state, reason) != (libvirt.VIR_DOMAIN_SHUTOFF, libvirt.VIR_DOMAIN_SHUTOFF_MIGRATED):
@@ -239,10 +353,10 @@ class MigrationJob:
 
     def _keep_source_running(self) -> None:
         """After a failed precopy the VM must run on the source, never stay paused."""
-        with contextlib.suppress(libvirt.libvirtError):
-            state, _reason = self.dom.state()
-            if state == libvirt.VIR_DOMAIN_PAUSED:
-                self.dom.resume()
+        with contextlib.suppress(libvirt.libvirtError, exceptions.Timeout):
+            state, reason = self._call(self.dom.state, "report the VM's state")  # type: ignore[misc]
+            if state == libvirt.VIR_DOMAIN_PAUSED and reason != libvirt.VIR_DOMAIN_PAUSED_POSTCOPY:
+                self._call(self.dom.resume, "resume the VM on the source")
                 self.on_event("resumed the VM on the source")
 
     def _recover(self) -> None:
@@ -260,6 +374,9 @@ class MigrationJob:
             time.sleep(min(2.0, self.config.stall_timeout_s))
             worker, errors = self._start(flags)
             self._watch(worker)
+            if self._abandoned:
+                self._give_up()
+                return
             if not errors:
                 self.result.state, self.result.recovered = "completed", True
                 self.on_event(f"postcopy resumed and completed (attempt {attempt})")

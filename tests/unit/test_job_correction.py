@@ -81,7 +81,8 @@ def test_parallel_connections_become_libvirts_parallel_flag_and_parameter(monkey
     monkeypatch.setattr(
         job_module.hypervisor,
         "start_migration",
-        lambda dom, host, uri, params, flags: started.append((params, flags)) or (None, []),
+        lambda dom, host, uri, params, flags, source="": started.append((params, flags))
+        or (None, []),
     )
     for parallel in (1, 4):
         job = MigrationJob(

@@ -41,7 +41,7 @@ class Sim:
             self.control.port_added(port)
 
     def start(self, match, out_port):
-        """First packet: judged by the app, forwarded by it (a packet-in)."""
+        """First packet: switched by the bridge, judged and counted by the app."""
         flow, new = self.control.flow_seen(match, out_port)
         self.control.flows.count_packet_in(match, SIZE)
         self.sent[match] = self.sent.get(match, 0) + 1
@@ -339,3 +339,23 @@ def test_offloaded_at_is_when_the_install_returned_not_when_asked():
     assert record["state"] == "offloaded"
     assert record["offload_requested_at"] == pytest.approx(asked_at)
     assert record["offloaded_at"] == pytest.approx(asked_at + 0.25)
+
+
+@pytest.mark.parametrize("pushed_before_rule", [0, 37, 639])
+def test_a_burst_before_the_rule_is_counted_once_wherever_ovs_credits_it(pushed_before_rule):
+    """640 packets at flow start: the first is judged (packet-in); OVS switched the
+    rest and credits each once, to the counting rule (pushed before the flow's
+    rule existed) or to the flow's rule (pushed after).  The total is 640 whatever
+    the split, and stays so after the counting rule idles out of the bridge."""
+    sim = Sim(stats_policy(promote_pps=10**9))
+    m = flow(7)
+    sim.start(m, "phy0")  # the packet-in: 1
+    fid = sim.control.flows.get(m).flow_id
+    learned = {m: FlowCounters(pushed_before_rule, pushed_before_rule * SIZE)}
+    rest = 639 - pushed_before_rule
+    rule = {fid: FlowCounters(rest, rest * SIZE)}
+    sim.control.poll(rule, {}, learned)
+    assert sim.total(m) == FlowCounters(640, 640 * SIZE)
+    sim.control.poll(rule, {}, {})  # the counting rule idled out: nothing is lost
+    sim.control.poll(rule, {}, {m: FlowCounters()})  # ... or was learnt anew
+    assert sim.total(m) == FlowCounters(640, 640 * SIZE)

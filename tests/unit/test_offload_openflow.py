@@ -18,7 +18,7 @@ def golden(msg):
     msg.serialize()
     parsed = parser.OFPFlowMod.parser(DATAPATH, ofp.OFP_VERSION, ofp.OFPT_FLOW_MOD, len(msg.buf),
                                       0, bytes(msg.buf))  # fmt: skip
-    actions = [(a.port, a.max_len) for inst in parsed.instructions for a in inst.actions]
+    actions = [_action(a) for inst in parsed.instructions for a in inst.actions]
     return {
         "cookie": hex(parsed.cookie),
         "command": parsed.command,
@@ -28,15 +28,43 @@ def golden(msg):
     }
 
 
-def test_discovery_rules_send_tcp_udp_to_the_app_and_learn_arp():
+def _action(action):
+    if isinstance(action, parser.NXActionLearn):
+        return ("learn", action.table_id, action.priority, hex(action.cookie),
+                action.idle_timeout, [_spec(s) for s in action.specs])  # fmt: skip
+    if isinstance(action, parser.NXActionResubmitTable):
+        return ("resubmit", action.table_id)
+    return (action.port, action.max_len)
+
+
+def _spec(spec):
+    return (spec.src, spec.dst, spec.n_bits)
+
+
+def _counting_learn(proto, l4):
+    copy = [(f, 0) for f in ("in_port", "ipv4_src", "ipv4_dst", f"{l4}_src", f"{l4}_dst")]
+    specs = [
+        (copy[0], copy[0], 32), (0x800, ("eth_type", 0), 16), (proto, ("ip_proto", 0), 8),
+        (copy[1], copy[1], 32), (copy[2], copy[2], 32), (copy[3], copy[3], 16),
+        (copy[4], copy[4], 16),
+    ]  # fmt: skip
+    return ("learn", flows.COUNTING_TABLE, 100, "0xf1e0040000000000",
+            openflow.COUNTING_IDLE_TIMEOUT, specs)  # fmt: skip
+
+
+def test_discovery_rules_switch_tcp_udp_count_them_per_flow_and_copy_the_app():
     rules = [golden(m) for m in openflow.discovery_rules(parser, ofp, 7)]
+    # Each new TCP/UDP flow: its exact counting rule learnt and traversed, switched
+    # NORMAL by the bridge, its headers copied to the app to be judged.
     assert rules == [
         {"cookie": "0xf1e0020000000007", "command": ofp.OFPFC_ADD, "priority": 10,
          "match": {"in_port": 7, "eth_type": 0x800, "ip_proto": 6},
-         "actions": [(ofp.OFPP_CONTROLLER, 0xFFFF)]},
+         "actions": [_counting_learn(6, "tcp"), ("resubmit", flows.COUNTING_TABLE),
+                     (ofp.OFPP_NORMAL, ofp.OFPCML_MAX), (ofp.OFPP_CONTROLLER, 128)]},
         {"cookie": "0xf1e0020000000007", "command": ofp.OFPFC_ADD, "priority": 10,
          "match": {"in_port": 7, "eth_type": 0x800, "ip_proto": 17},
-         "actions": [(ofp.OFPP_CONTROLLER, 0xFFFF)]},
+         "actions": [_counting_learn(17, "udp"), ("resubmit", flows.COUNTING_TABLE),
+                     (ofp.OFPP_NORMAL, ofp.OFPCML_MAX), (ofp.OFPP_CONTROLLER, 128)]},
         {"cookie": "0xf1e0020000000007", "command": ofp.OFPFC_ADD, "priority": 10,
          "match": {"in_port": 7, "eth_type": 0x806},
          "actions": [(ofp.OFPP_CONTROLLER, 64), (ofp.OFPP_NORMAL, ofp.OFPCML_MAX)]},
@@ -62,19 +90,46 @@ def test_table_miss_is_normal_and_exit_keeps_it():
         [(ofp.OFPP_NORMAL, ofp.OFPCML_MAX)],
     )
     kinds = [m.cookie >> 40 & 0xFF for m in openflow.delete_judging_rules(parser, ofp)]
-    assert kinds == [flows.COOKIE_KIND_DISCOVERY, flows.COOKIE_KIND_FLOW]
+    assert kinds == [
+        flows.COOKIE_KIND_DISCOVERY,
+        flows.COOKIE_KIND_FLOW,
+        flows.COOKIE_KIND_COUNTING,
+    ]
     assert flows.COOKIE_KIND_TABLE_MISS not in kinds
     everything = openflow.delete_owned(parser, ofp)
     assert everything.cookie_mask == flows.COOKIE_MASK and everything.command == ofp.OFPFC_DELETE
 
 
-def test_stats_request_selects_only_flow_rules():
+def test_stats_request_reads_every_owned_rule_in_every_table_at_once():
     req = openflow.owned_stats_request(parser, ofp)
-    assert flows.cookie_flow_id(req.cookie) == 0
-    assert (
-        req.cookie_mask & flows.discovery_cookie(0) == flows.discovery_cookie(0) & req.cookie_mask
+    assert req.table_id == ofp.OFPTT_ALL and req.cookie_mask == flows.COOKIE_MASK
+    for cookie in (flows.flow_cookie(5), flows.counting_cookie(), flows.discovery_cookie(1)):
+        assert cookie & req.cookie_mask == req.cookie
+    assert 0x1234 << 48 & req.cookie_mask != req.cookie  # someone else's rule
+
+
+def test_counting_rule_match_maps_back_to_its_flow():
+    fields = {"in_port": 3, "eth_type": 0x800, "ip_proto": 17, "ipv4_src": "10.251.0.10",
+              "ipv4_dst": "10.251.0.20", "udp_src": 40000, "udp_dst": 5201}  # fmt: skip
+    assert openflow.counted_match(fields, "tap0") == FlowMatch(
+        "tap0", 17, "10.251.0.10", "10.251.0.20", 40000, 5201
     )
-    assert req.cookie & req.cookie_mask != flows.discovery_cookie(1) & req.cookie_mask
+    assert openflow.counted_match(fields, None) is None  # its port left the bridge
+    assert openflow.counted_match({**fields, "ip_proto": 1}, "tap0") is None
+    assert flows.is_counting_cookie(flows.counting_cookie())
+    assert not flows.is_counting_cookie(flows.flow_cookie(1))
+    assert flows.cookie_flow_id(flows.counting_cookie()) is None
+
+
+def test_counting_rules_are_deleted_per_flow_or_per_port():
+    match = FlowMatch("tap0", 6, "10.251.0.10", "10.251.0.20", 40000, 5201)
+    one = openflow.delete_counting_rules(parser, ofp, 3, match)
+    port = openflow.delete_counting_rules(parser, ofp, 3)
+    for mod in (one, port):
+        assert mod.command == ofp.OFPFC_DELETE and mod.table_id == flows.COUNTING_TABLE
+        assert mod.cookie == flows.counting_cookie() and mod.cookie_mask == 0xFFFFFF << 40
+    assert dict(one.match.items())["tcp_dst"] == 5201
+    assert dict(port.match.items()) == {"in_port": 3}
 
 
 def frame(proto=17, ihl=5, frag=0, ports=b"\x9c\x40\x14\x51", eth_type=b"\x08\x00"):

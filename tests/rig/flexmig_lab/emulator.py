@@ -1,4 +1,4 @@
-"""The lab's QEMU: Debian 12's bookworm-backports build, unpacked into the cache.
+"""The lab's QEMU and libvirt: Debian 12's bookworm-backports builds, unpacked into the cache.
 
 Why not the system's QEMU 7.2: under TCG its migration dirty tracking loses
 guest writes.  The fast path of ``cpu_physical_memory_sync_dirty_bitmap``
@@ -17,11 +17,21 @@ then sees it *installed*: its mount namespace binds the unpacked binary, its
 modules and firmware over the system paths, so libvirt runs
 ``/usr/bin/qemu-system-x86_64`` as on any compute host, and QEMU never loads a
 7.2 module (a module from another build makes QEMU 10 abort).
+
+libvirt can come the same way (11.x; Debian 12 has 9.0) with
+``FLEXMIG_LAB_LIBVIRT=backports``, because the knobs the migration plan is to
+pick need it: postcopy-preempt (not in 9.0's API), the switchover bandwidth
+hint, multifd compression levels.  Each host then binds its daemons, driver
+modules, data (cpu_map), virsh and the client libraries (its agent's
+libvirt-python then speaks 11.x too) over the system's.  The default,
+``system``, keeps Debian's 9.0 until the Nova path has been run on 11.x.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import os
 import re
 import shutil
 import subprocess
@@ -32,16 +42,76 @@ from flexmig import exceptions, processutil
 
 SUITE = "bookworm-backports"
 MIRROR = "http://deb.debian.org/debian"
-PACKAGES = ("qemu-system-x86", "qemu-system-common", "qemu-system-data", "seabios")
-MIN_VERSION = (9, 0)  # the first release with the dirty-tracking fix
-# Lab-host path -> path under the unpacked root.  ipxe's option ROMs stay the
-# system's (not in backports; the ROM interface is stable).
-HOST_PATHS = (
-    "usr/bin/qemu-system-x86_64",
-    "usr/lib/x86_64-linux-gnu/qemu",
-    "usr/share/qemu",
-    "usr/share/seabios",
+LIBVIRT_ENV = "FLEXMIG_LAB_LIBVIRT"
+LIB = "usr/lib/x86_64-linux-gnu"
+
+
+@dataclasses.dataclass(frozen=True)
+class Backport:
+    name: str  # the cache subdirectory
+    packages: tuple[str, ...]
+    versioned_by: str  # the package whose version is the build's
+    min_version: tuple[int, int]
+    # Lab-host paths bound to the same path under the unpacked root.
+    host_paths: tuple[str, ...]
+    # Shared libraries: the system's file (its soname link resolved) gets the
+    # backport's, so every program in the host loads the backport's.
+    libraries: tuple[str, ...] = ()
+
+
+# ipxe's option ROMs stay the system's (not in backports; the ROM interface is stable).
+QEMU = Backport(
+    name="qemu",
+    packages=("qemu-system-x86", "qemu-system-common", "qemu-system-data", "seabios"),
+    versioned_by="qemu-system-x86_",
+    min_version=(9, 0),  # the first release with the dirty-tracking fix
+    host_paths=(
+        "usr/bin/qemu-system-x86_64",
+        f"{LIB}/qemu",
+        "usr/share/qemu",
+        "usr/share/seabios",
+    ),
 )
+LIBVIRT_DRIVERS = ("qemu", "network", "nodedev", "nwfilter", "secret", "storage")
+LIBVIRT = Backport(
+    name="libvirt",
+    packages=(
+        "libvirt0",
+        "libvirt-common",
+        "libvirt-clients",
+        "libvirt-daemon",
+        "libvirt-daemon-common",
+        "libvirt-daemon-log",
+        "libvirt-daemon-lock",
+        *(f"libvirt-daemon-driver-{d}" for d in LIBVIRT_DRIVERS),
+    ),
+    versioned_by="libvirt-daemon_",
+    min_version=(11, 1),  # the switchover bandwidth hint
+    host_paths=(
+        "usr/sbin/libvirtd",
+        "usr/sbin/virtlogd",
+        "usr/bin/virsh",
+        f"{LIB}/libvirt",
+        "usr/lib/libvirt",
+        "usr/share/libvirt",
+    ),
+    libraries=(
+        f"{LIB}/libvirt.so.0",
+        f"{LIB}/libvirt-qemu.so.0",
+        f"{LIB}/libvirt-lxc.so.0",
+        f"{LIB}/libvirt-admin.so.0",
+    ),
+)
+
+
+def backports() -> tuple[Backport, ...]:
+    """What the lab hosts run instead of the system's: QEMU always, libvirt if asked."""
+    choice = os.environ.get(LIBVIRT_ENV, "system")
+    if choice not in ("backports", "system"):
+        raise exceptions.InvalidInput(
+            what=LIBVIRT_ENV, reason=f"{choice!r}: 'system' (default) or 'backports'"
+        )
+    return (QEMU, LIBVIRT) if choice == "backports" else (QEMU,)
 
 
 def _apt_options(base: Path) -> list[str]:
@@ -60,7 +130,7 @@ def _apt_options(base: Path) -> list[str]:
 
 
 def upstream_version(deb_version: str) -> tuple[int, int]:
-    """(major, minor) of a Debian QEMU version.
+    """(major, minor) of a Debian package version.
 
     >>> upstream_version("1:10.0.2+ds-2+deb13u1~bpo12+1")
     (10, 0)
@@ -69,17 +139,17 @@ def upstream_version(deb_version: str) -> tuple[int, int]:
     """
     match = re.match(r"^(?:\d+:)?(\d+)\.(\d+)", deb_version)
     if not match:
-        raise exceptions.InvalidInput(what="QEMU version", reason=deb_version)
+        raise exceptions.InvalidInput(what="package version", reason=deb_version)
     return int(match.group(1)), int(match.group(2))
 
 
-def _download(base: Path, workdir: Path) -> list[Path]:
+def _download(base: Path, workdir: Path, packages: tuple[str, ...]) -> list[Path]:
     (base / "lists").mkdir(parents=True, exist_ok=True)
     (base / "apt-cache").mkdir(exist_ok=True)
     (base / "sources.list").write_text(f"deb {MIRROR} {SUITE} main\n")
     opts = _apt_options(base)
     processutil.run(["apt-get", *opts, "update", "-q"], timeout=600)
-    processutil.run(["apt-get", *opts, "download", *PACKAGES], timeout=900, cwd=workdir)
+    processutil.run(["apt-get", *opts, "download", *packages], timeout=900, cwd=workdir)
     return [Path(p) for p in sorted(glob.glob(str(workdir / "*.deb")))]
 
 
@@ -91,19 +161,26 @@ def _deb_version(deb: Path) -> str:
 
 
 def build(cache: Path) -> Path:
-    """Fetch and unpack the lab QEMU if it is not there; return the unpacked root."""
-    base = cache / "qemu"
+    """Fetch and unpack the lab's backports if they are not there; return QEMU's root."""
+    for backport in backports():
+        _build(cache, backport)
+    return cache / QEMU.name / "root"
+
+
+def _build(cache: Path, backport: Backport) -> Path:
+    base = cache / backport.name
     root = base / "root"
     done = base / "unpacked"
     if done.exists():
         return root
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
-        debs = _download(base, Path(tmp))
-        qemu = [d for d in debs if d.name.startswith("qemu-system-x86_")]
-        version = _deb_version(qemu[0]) if qemu else "none"
-        if not qemu or upstream_version(version) < MIN_VERSION:
+        debs = _download(base, Path(tmp), backport.packages)
+        main = [d for d in debs if d.name.startswith(backport.versioned_by)]
+        version = _deb_version(main[0]) if main else "none"
+        if not main or upstream_version(version) < backport.min_version:
+            low = ".".join(map(str, backport.min_version))
             raise exceptions.MissingPrerequisite(
-                what=f"QEMU >= {MIN_VERSION[0]}.{MIN_VERSION[1]} in {SUITE}",
+                what=f"{backport.name} >= {low} in {SUITE}",
                 hint="the archive no longer offers it; point MIRROR/SUITE at a newer build",
             )
         shutil.rmtree(root, ignore_errors=True)
@@ -114,10 +191,23 @@ def build(cache: Path) -> Path:
 
 
 def host_binds(cache: Path) -> dict[str, str]:
-    """Bind mounts (target -> source) that install the lab QEMU in a lab host."""
-    root = cache / "qemu" / "root"
-    if not (cache / "qemu" / "unpacked").exists():
-        raise exceptions.MissingPrerequisite(
-            what=f"the lab QEMU in {root}", hint="run 'flexmig-lab image build' (setup does)"
-        )
-    return {"/" + rel: str(root / rel) for rel in HOST_PATHS}
+    """Bind mounts (target -> source) that install the lab's backports in a lab host."""
+    binds: dict[str, str] = {}
+    for backport in backports():
+        root = cache / backport.name / "root"
+        if not (cache / backport.name / "unpacked").exists():
+            raise exceptions.MissingPrerequisite(
+                what=f"the lab's {backport.name} in {root}",
+                hint="run 'flexmig-lab image build' (setup does)",
+            )
+        binds.update({"/" + rel: str(root / rel) for rel in backport.host_paths})
+        for lib in backport.libraries:
+            # A bind follows the soname link: mount over the file it names.
+            binds[os.path.realpath("/" + lib)] = os.path.realpath(root / lib)
+    return binds
+
+
+def installed_version(cache: Path, backport: Backport) -> str | None:
+    """The Debian version unpacked for ``backport``, if any."""
+    done = cache / backport.name / "unpacked"
+    return done.read_text().strip() if done.exists() else None

@@ -13,6 +13,8 @@ from flexmig_lab.topology import HostSpec
 
 OVS_SCHEMA = "/usr/share/openvswitch/vswitch.ovsschema"
 DAEMON_START_TIMEOUT = 30.0
+# libvirtd answers once its QEMU driver has probed the emulator (see _libvirt_answers).
+LIBVIRT_ANSWER_TIMEOUT = 90.0
 AGENT_SOCKET = "/run/flexmig/agent.sock"
 
 # Private directories bind-mounted over the system ones inside the host.
@@ -189,14 +191,20 @@ class LabHost:
             what=f"libvirtd socket on host {self.name} (see {self.dir}/log-libvirt)",
         )
         processutil.wait_for(
-            lambda: self.ns.run(
-                ["virsh", "-c", "qemu:///system", "version"], check=False, timeout=10
-            ).returncode
-            == 0,
-            timeout=DAEMON_START_TIMEOUT,
+            self._libvirt_answers,
+            timeout=LIBVIRT_ANSWER_TIMEOUT,
             interval=0.2,
             what=f"libvirtd on host {self.name} to answer",
         )
+
+    def _libvirt_answers(self) -> bool:
+        # A first connection waits for the QEMU driver to probe the emulator's
+        # capabilities, seconds longer than one try on a busy machine.
+        try:
+            cmd = ["virsh", "-c", "qemu:///system", "version"]
+            return self.ns.run(cmd, check=False, timeout=10).returncode == 0
+        except exceptions.Timeout:
+            return False
 
     def _pid_alive(self, pid_file: str) -> bool:
         try:

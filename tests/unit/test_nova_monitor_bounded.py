@@ -1,0 +1,64 @@
+"""The Nova monitor's libvirt calls are bounded: a switch that never answers aborts
+the precopy (the VM is whole on the source) instead of holding the monitor."""
+
+from __future__ import annotations
+
+import threading
+import time
+import types
+
+import libvirt
+import pytest
+
+pytest.importorskip("nova")
+
+from nova_driver import monitor  # noqa: E402
+
+
+class StuckGuest:
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def migrate_start_postcopy(self) -> None:
+        self.calls.append("switch")
+        threading.Event().wait(30)
+
+    def abort_job(self) -> None:
+        self.calls.append("abort")
+
+    def get_job_info(self) -> None:
+        threading.Event().wait(30)
+
+
+class Migration:
+    status = "running"
+
+    def save(self) -> None:
+        pass
+
+
+def _monitor() -> monitor.PlanMonitor:
+    plan = types.SimpleNamespace(decision=types.SimpleNamespace(max_downtime_ms=300))
+    return monitor.PlanMonitor(libvirt, None, plan, Migration(), 0.3, 5.0, {}, 300)  # type: ignore[arg-type]
+
+
+def test_an_unanswered_switch_aborts_within_the_call_deadline(monkeypatch):
+    monkeypatch.setattr(monitor, "CALL_TIMEOUT_S", 0.2)
+    watch, guest = _monitor(), StuckGuest()
+    start = time.monotonic()
+    watch._switch(guest, instance=None)
+    assert time.monotonic() - start < 2.0
+    assert guest.calls == ["switch", "abort"]
+    assert not watch.state.switched
+    assert "switch to postcopy" in (watch.state.aborted_for or "")
+
+
+def test_job_info_that_never_comes_aborts_a_precopy_after_the_stall_timeout(monkeypatch):
+    monkeypatch.setattr(monitor, "CALL_TIMEOUT_S", 0.2)
+    watch, guest = _monitor(), StuckGuest()
+    assert watch._job_info(guest) is None
+    watch._unanswered(guest)
+    assert guest.calls == []  # not yet past the stall timeout
+    watch.state.last_move -= 1.0
+    watch._unanswered(guest)
+    assert guest.calls == ["abort"] and "no job info" in (watch.state.aborted_for or "")
