@@ -391,6 +391,8 @@ function _flexmig_configure_offload {
     iniset "$FLEXMIG_OFFLOAD_CONF" offload uplinks "$FLEXMIG_OFFLOAD_UPLINKS"
     iniset "$FLEXMIG_OFFLOAD_CONF" offload stats_endpoint "$FLEXMIG_OFFLOAD_STATS_ENDPOINT"
     iniset "$FLEXMIG_OFFLOAD_CONF" offload status_file "$FLEXMIG_STATE_DIR/offload-status.json"
+    # The agent moves migrating VMs' flows through the control interface (same key).
+    iniset "$FLEXMIG_OFFLOAD_CONF" offload control_key_file "$FLEXMIG_AGENT_KEY_FILE"
 }
 
 function configure_flexmig {

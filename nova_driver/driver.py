@@ -83,6 +83,9 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         self._agent_endpoint = (CONF.flexmig.agent_address or CONF.my_ip, CONF.flexmig.agent_port)
         super().__init__(virtapi, read_only)
         self._flexmig_plans: dict[str, planning.MigrationPlan] = {}
+        # Instances whose offloaded flows the local agent is moving: the body
+        # that names the migration and its destination agent.
+        self._flexmig_flows: dict[str, dict[str, Any]] = {}
 
     # -- agents ---------------------------------------------------------------
     def _local_agent(self) -> AgentClient:
@@ -259,12 +262,50 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         )
         self._record_event(context, instance, f"flexmig_{plan.decision.mode}")
         self._flexmig_plans[instance.uuid] = plan
+        self._offload_depart(instance, offer, migrate_data)
         try:
             super()._live_migration(
                 context, instance, dest, post_method, recover_method, block_migration, migrate_data
             )
         finally:
             self._flexmig_plans.pop(instance.uuid, None)
+
+    # -- offloaded flows follow the VM (through the agents: agents/agent/offload_hook.py)
+    def _offload_depart(self, instance: Any, offer: DestinationOffer, migrate_data: Any) -> None:
+        """Before the job (so before switchover): the local agent demotes the VM's
+        offloaded flows and hands their records to the destination's agent."""
+        migration = getattr(migrate_data, "migration", None)
+        body = {
+            "migration_id": str(getattr(migration, "uuid", None) or instance.uuid),
+            "vm": instance.name,
+            "dest": {"address": offer.agent_address, "port": offer.agent_port},
+        }
+        try:
+            reply = self._local_agent().post("/v1/offload/depart", body)
+        except exceptions.FlexMigError as exc:
+            LOG.warning("FlexMig: offloaded flows stay put: %s", exc, instance=instance)
+            return
+        for text in reply.get("events", []):
+            LOG.info("FlexMig %s", text, instance=instance)
+        if reply.get("handled"):
+            self._flexmig_flows[instance.uuid] = body
+
+    def _offload_end(self, instance: Any, failure: str | None) -> None:
+        """Success: final counters to the destination, forgotten here.  Failure:
+        re-offloaded here, with the reason in the extension's status file."""
+        body = self._flexmig_flows.pop(instance.uuid, None)
+        if body is None:
+            return
+        path = "/v1/offload/finish" if failure is None else "/v1/offload/restore"
+        if failure is not None:
+            body = body | {"reason": failure}
+        try:
+            reply = self._local_agent().post(path, body)
+        except exceptions.FlexMigError as exc:
+            LOG.warning("FlexMig: %s of offloaded flows failed: %s", path, exc, instance=instance)
+            return
+        for text in reply.get("events", []):
+            LOG.info("FlexMig %s", text, instance=instance)
 
     def _record_event(self, context: Any, instance: Any, name: str) -> None:
         """The choice, as an event of the server's live-migration action (os-instance-actions)."""
@@ -380,6 +421,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         self, context: Any, instance: Any, migrate_data: Any
     ) -> None:
         super().rollback_live_migration_at_source(context, instance, migrate_data)
+        self._offload_end(instance, "the live migration was rolled back")
         offer = offer_of(migrate_data)
         if offer is None or offer.split_budget_bytes is None:
             return
@@ -397,6 +439,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
 
     def post_live_migration_at_source(self, context: Any, instance: Any, network_info: Any) -> None:
         super().post_live_migration_at_source(context, instance, network_info)
+        self._offload_end(instance, None)
         self._release_leftover_split(instance)
 
     def _release_leftover_split(self, instance: Any) -> None:

@@ -307,3 +307,8 @@ def _write_json(path: str, data: object) -> None:
     tmp = target.with_name(f".{target.name}.{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=1))
     tmp.replace(target)
+
+
+def write_status(path: str, data: object) -> None:
+    """The status file, replaced whole (readers never see half of it)."""
+    _write_json(path, data)

@@ -99,6 +99,20 @@ offload_opts = [
         help="JSON written every poll: each flow's state, counters and the "
         "reason it is onloaded or offloaded. Empty: not written.",
     ),
+    cfg.StrOpt(
+        "control_socket",
+        default="/run/flexmig/offload-control.sock",
+        help="UNIX socket (mode 0600) of the local control interface the host's "
+        "agent uses to move a VM's flows with it across a live migration "
+        "(ovs_ext/control_api.py). Requests are signed with control_key_file. "
+        "Empty: no interface, and migrating VMs' flows are left to the policy.",
+    ),
+    cfg.StrOpt(
+        "control_key_file",
+        default="/etc/flexmig/agent.key",
+        help="Key the control interface's requests are signed with: the "
+        "deployment key the host's agent holds ([agent] key_file).",
+    ),
     cfg.ListOpt(
         "vm_port_patterns",
         default=[r"tap[0-9a-f]{8}-[0-9a-f]{2}"],

@@ -50,6 +50,9 @@ class OffloadControl:
         self.wall_clock = wall_clock
         self.idle_timeout = idle_timeout  # 0: flows are never forgotten
         self.provider_capacity = provider.describe().capacity
+        self.polls = 0  # statistics polls done: a migration waits for fresh counters
+        # More sections of the status file (name -> producer), e.g. migrations.
+        self.status_extras: dict[str, Callable[[], object]] = {}
 
     @property
     def capacity(self) -> int:
@@ -67,7 +70,7 @@ class OffloadControl:
         to_offload: list[tuple[TrackedFlow, float, bool]] = []
         to_onload: list[FlowMatch] = []
         for flow in self.flows:
-            if not flow.owner:
+            if not flow.owner or flow.held:
                 continue
             was = flow.setup
             flow.setup = policy_mod.decide_at_setup(policy, flow.match, flow.owner, flow.direction)
@@ -116,7 +119,12 @@ class OffloadControl:
         if existing is not None:
             if existing.out_port is None and out_port is not None:
                 existing.out_port = out_port
-            return existing, False
+            if existing.reoffload and not existing.held:
+                # It arrived by migration, offloaded before: its first packet
+                # here taught the egress port, so it can go back to the fast path.
+                self.reoffload([existing], f"re-offloaded after migration ({existing.reason})")
+            needs_rule, existing.needs_rule = existing.needs_rule, False
+            return existing, needs_rule
         owners = self.dispatchers.owners(match, out_port)
         if not owners:
             setup = policy_mod.SetupDecision(None)
@@ -157,6 +165,7 @@ class OffloadControl:
         self.flows.observe_rule_stats(rule_stats)
         self.flows.observe_provider_stats(provider_stats)
         self.flows.sample()
+        self.polls += 1
         expired = self._expire_idle()
         rule = self.policy.statistics
         if not rule.enabled:
@@ -164,6 +173,8 @@ class OffloadControl:
         demote: list[FlowMatch] = []
         candidates: list[tuple[TrackedFlow, float, bool]] = []
         for flow in self.flows:
+            if flow.held:
+                continue  # a live migration decides where it goes
             rate = flow.rate(rule.window_s)
             if flow.state is FlowState.OFFLOADED:
                 flow.quiet_polls = policy_mod.next_quiet_count(rule, rate, flow.quiet_polls)
@@ -176,12 +187,46 @@ class OffloadControl:
         admitted, evicted, refused = self._admit(candidates, "promoted by statistics")
         return PollReport(tuple(admitted), tuple(demote), tuple(evicted), refused, expired)
 
+    def onload_now(self, matches: tuple[FlowMatch, ...], reason: str) -> None:
+        """Back to the vSwitch now (a migration's demotion), counters carried over."""
+        self._onload(matches, reason)
+
+    def forget(self, match: FlowMatch) -> TrackedFlow | None:
+        """Stop tracking a flow (its VM left); the app deletes its rule."""
+        flow = self.flows.get(match)
+        if flow is not None and flow.state is FlowState.OFFLOADED:
+            self._onload((match,), "forgotten")
+        self.flows.forget(match)
+        for dispatcher in self.dispatchers.by_port.values():
+            dispatcher.forget(match)
+        return flow
+
+    def reoffload(self, flows: list[TrackedFlow], reason: str) -> list[FlowMatch]:
+        """Offload flows that were offloaded before a migration moved them, subject
+        to this host's policy and capacity; a refusal keeps its reason.
+
+        They take free room only (rate 0: never evicting this host's flows);
+        statistics promote them later like any flow if the table is full.
+        """
+        candidates = []
+        for flow in flows:
+            if flow.state is FlowState.OFFLOADED or flow.setup.pinned_onload:
+                flow.reoffload = False
+            elif flow.out_port is not None:
+                candidates.append((flow, 0.0, False))
+        admitted, _evicted, refused = self._admit(candidates, reason)
+        for flow, _rate, _forced in candidates:
+            flow.reoffload = False
+        if refused:
+            LOG.warning("%d flows not re-offloaded: %s", len(refused), sorted(refused.values()))
+        return admitted
+
     def _expire_idle(self) -> tuple[TrackedFlow, ...]:
         """Forget flows idle for idle_timeout (an OpenFlow idle timeout cannot be
         used: an offloaded flow's rule sees no packets while it is busy)."""
         if self.idle_timeout <= 0:
             return ()
-        idle = tuple(self.flows.idle_since(self.idle_timeout))
+        idle = tuple(f for f in self.flows.idle_since(self.idle_timeout) if not f.held)
         self._onload(
             tuple(f.match for f in idle if f.state is FlowState.OFFLOADED), "idle: expired"
         )
@@ -290,7 +335,7 @@ class OffloadControl:
             "ports": sorted(self.dispatchers.by_port),
             "fast_path_ports": sorted(self.dispatchers.fast_path_ports),
             "flows": flows,
-        }
+        } | {name: produce() for name, produce in self.status_extras.items()}
 
 
 def _fmt(match: FlowMatch) -> str:

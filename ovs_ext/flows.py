@@ -12,9 +12,11 @@ A flow's packets are counted in exactly one place at a time:
   never reset by a move;
 - ``offload_live``: the provider's entry while the flow is offloaded;
 - ``offload_done``: final counters of earlier offload entries, carried over when
-  the provider removed them (demotion, eviction).
+  the provider removed them (demotion, eviction);
+- ``carried_onloaded`` / ``carried_offloaded``: what earlier hosts counted, for
+  a flow that arrived with its VM by live migration (``ovs_ext.migration``).
 
-The total is the sum of the five: continuous across promotion and demotion,
+The total is the sum of them all: continuous across promotion and demotion,
 never reset, never double-counted.  No I/O here: the OpenFlow app and the
 provider feed observations in; :meth:`FlowManager.records` turns the state
 into the :class:`~ovs_ext.flow_record.FlowRecord` list the statistics endpoint
@@ -110,6 +112,15 @@ class TrackedFlow:
     offloaded_at: float | None = None  # wall clock: the latest promotion's install returned
     offload_requested_at: float | None = None  # wall clock: ... was decided and asked for
     moves: int = 0
+    carried_onloaded: FlowCounters = dataclasses.field(default_factory=FlowCounters)
+    carried_offloaded: FlowCounters = dataclasses.field(default_factory=FlowCounters)
+    # Set while a live migration holds the flow onloaded (why): statistics and
+    # header rules leave it alone until the migration resumes or releases it.
+    held: str = ""
+    # Offload again as soon as it can be (it was offloaded before a migration).
+    reoffload: bool = False
+    # The app still has to install its OpenFlow rule (the flow arrived as a record).
+    needs_rule: bool = False
     history: collections.deque[tuple[float, int, int]] = dataclasses.field(
         default_factory=lambda: collections.deque(maxlen=HISTORY_SAMPLES)
     )
@@ -120,11 +131,11 @@ class TrackedFlow:
 
     @property
     def onloaded_counters(self) -> FlowCounters:
-        return self.packet_in + self.learned + self.rule
+        return self.packet_in + self.learned + self.rule + self.carried_onloaded
 
     @property
     def offloaded_counters(self) -> FlowCounters:
-        return self.offload_live + self.offload_done
+        return self.offload_live + self.offload_done + self.carried_offloaded
 
     @property
     def total(self) -> FlowCounters:

@@ -23,8 +23,9 @@ from oslo_config import cfg
 from oslo_log import log
 from stevedore import driver
 
+from agents.agent import auth
 from flexmig import exceptions
-from ovs_ext import config, policy
+from ovs_ext import config, control_api, policy
 from ovs_ext.app import Runtime
 from ovs_ext.control import OffloadControl
 from ovs_ext.dispatcher import Dispatchers
@@ -148,6 +149,16 @@ def _start_stats_endpoint(conf: cfg.ConfigOpts, runtime: Runtime) -> OpenFlowSta
     return server
 
 
+def _start_control_api(conf: cfg.ConfigOpts, runtime: Runtime) -> None:
+    """The agent's way in: a VM's flows across a live migration."""
+    path = conf.offload.control_socket
+    if not path:
+        return
+    key = auth.load_key(conf.offload.control_key_file)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    control_api.serve(runtime, path, key)
+
+
 def clear_stale_entries(provider: OffloadProvider, name: str) -> int:
     """Entries a previous run left in the provider (its tables may be pinned):
     their flows are forgotten, so they must not keep bypassing the bridge."""
@@ -198,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         conf, runtime = prepare(sys.argv[1:] if argv is None else argv)
         endpoint = _start_stats_endpoint(conf, runtime)
+        _start_control_api(conf, runtime)
     except (cfg.Error, exceptions.FlexMigError, OSError) as exc:
         print(f"flexmig-offload: {exc}", file=sys.stderr)
         return 2

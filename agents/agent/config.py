@@ -77,6 +77,14 @@ agent_opts = [
         "Nova's back: those routes then answer 403.",
     ),
     cfg.StrOpt("libvirt_uri", default="qemu:///system", help="This host's libvirt."),
+    cfg.StrOpt(
+        "offload_control_socket",
+        default="/run/flexmig/offload-control.sock",
+        help="The offload extension's local control interface (its [offload] "
+        "control_socket): a migrating VM's offloaded flows are demoted, carried to "
+        "the destination and re-offloaded there through it. Empty, or no extension "
+        "running: VMs migrate without it.",
+    ),
     cfg.IntOpt(
         "memory_budget_mb",
         default=0,

@@ -21,6 +21,7 @@ from stevedore import driver
 
 from agents.agent import auth, inventory, movers, privileged
 from agents.agent.client import AgentClient
+from agents.agent.offload_hook import OffloadHook
 from flexmig import exceptions, hypervisor, vm_facts
 from flexmig.modes.base import MigrationMode
 from flexmig.modes.job import JobConfig, JobResult, MigrationJob
@@ -118,8 +119,15 @@ class MigrationRecord:
 
 
 class MigrationService:
-    def __init__(self, host: str, conf: Any, sample_seconds: tuple[int, ...]) -> None:
+    def __init__(
+        self,
+        host: str,
+        conf: Any,
+        sample_seconds: tuple[int, ...],
+        offload: OffloadHook | None = None,
+    ) -> None:
         self.host = host
+        self.offload = offload
         self.conf = conf
         self.sample_seconds = sample_seconds
         self.records: dict[str, MigrationRecord] = {}
@@ -259,7 +267,15 @@ class MigrationService:
         if record.transport.transport == "mover":
             sender = self._start_movers(record, dest)
             migration_uri = "unix://" + movers.socket_path(self.conf.agent.state_dir, record.id)
-        result = self._run_job(record, dest, migration_uri)
+        flows_moving = self._offload_depart(record, dest)
+        try:
+            result = self._run_job(record, dest, migration_uri)
+        except Exception as exc:
+            if flows_moving:
+                self.offload.restore(record.id, str(exc), dest.agent, record.event)
+            raise
+        if flows_moving and result.state != "completed":
+            self.offload.restore(record.id, result.error or result.state, dest.agent, record.event)
         mover_stats = self._finish_movers(record, dest, sender, result.state == "completed")
         if writeback:
             record.writeback_rounds = self._end_writeback(record, dest)
@@ -269,7 +285,9 @@ class MigrationService:
             record.state, record.error = "failed", result.error
             record.event(f"failed: {result.error}; the VM runs on {self.host}")
             return
+        offload = self.offload.finish(record.id, dest.agent, record.event) if flows_moving else None
         record.summary = self._summary(record, dest, result) | {
+            "offload": offload,
             "transport": record.transport.transport,
             "parallel": record.parallel,
             "movers": mover_stats,
@@ -278,6 +296,18 @@ class MigrationService:
         }
         record.state = "completed"
         record.event("completed")
+
+    def _offload_depart(self, record: MigrationRecord, dest: Destination) -> bool:
+        """The VM's offloaded flows back to the vSwitch, their records to the
+        destination, before the job starts (so before its switchover)."""
+        if self.offload is None:
+            return False
+        try:
+            return self.offload.depart(record.id, record.vm, dest.agent, record.event)
+        except exceptions.FlexMigError as exc:
+            # The flows stay as they are: the VM migrates, its flows start again there.
+            record.event(f"offload: flows not moved with the VM: {exc}")
+            return False
 
     def _prepare_destination(self, record: MigrationRecord, dest: Destination) -> bool:
         """Reserve a split VM's budget or start the store writeback; True for the latter."""

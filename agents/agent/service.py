@@ -16,7 +16,17 @@ from oslo_config import cfg
 from oslo_log import log
 from oslo_privsep import daemon as privsep_daemon
 
-from agents.agent import api, auth, config, facts, inventory, listener, movers, privileged
+from agents.agent import (
+    api,
+    auth,
+    config,
+    facts,
+    inventory,
+    listener,
+    movers,
+    offload_hook,
+    privileged,
+)
 from agents.agent.client import AgentClient
 from agents.agent.migrations import Destination, MigrationService
 from agents.agent.split_store import ChunkFlusher, SplitStore
@@ -50,7 +60,12 @@ class Agent:
         self.store = SplitStore(
             conf.agent.state_dir, conf.agent.store_dir, conf.agent.cgroup_parent
         )
-        self.migrations = MigrationService(self.host, conf, config.sample_seconds(conf))
+        self.offload = offload_hook.OffloadHook(
+            conf.agent.offload_control_socket, self.key, self.host, conf.agent.libvirt_uri
+        )
+        self.migrations = MigrationService(
+            self.host, conf, config.sample_seconds(conf), self.offload
+        )
         self.flush_stops: dict[str, threading.Event] = {}
         self.flushers: dict[str, ChunkFlusher] = {}
         self.router = api.Router()
@@ -65,6 +80,14 @@ class Agent:
         # Read-only: Nova's drain (nova_driver.drain) asks it too.
         r.add("POST", "/v1/inventory", self.inventory)
         self.receivers: dict[str, movers.MoverSet] = {}
+        # A migrating VM's offloaded flows: the destination's side (from the peer
+        # agent) and the source's (from this host's Nova driver).
+        r.add("POST", "/v1/offload/arrive", self.offload_arrive)
+        r.add("POST", "/v1/offload/settle", self.offload_settle)
+        r.add("POST", "/v1/offload/abandon", self.offload_abandon)
+        r.add("POST", "/v1/offload/depart", self.offload_depart)
+        r.add("POST", "/v1/offload/finish", self.offload_finish)
+        r.add("POST", "/v1/offload/restore", self.offload_restore)
         # Routes that plan or move VMs on the agents' own initiative.
         orchestrate = self._orchestration
         r.add("POST", "/v1/plan", orchestrate(self.plan))
@@ -239,6 +262,53 @@ class Agent:
             "cgroup": self.store.usage(vm),
         }
 
+    # -- offloaded flows across a migration (offload_hook.py) ---------------------
+    def offload_arrive(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        fields = {"migration_id": str, "vm": str, "ports": list, "peer": str, "flows": list}
+        api.check_fields(body, fields)
+        note = self.offload.arrive(
+            body["migration_id"], body["vm"], body["ports"], body["peer"], body["flows"]
+        )
+        return 200, {"note": note}
+
+    def offload_settle(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {"migration_id": str, "flows": list})
+        return 200, self.offload.settle(body["migration_id"], body["flows"])
+
+    def offload_abandon(
+        self, body: dict[str, Any], _m: re.Match[str]
+    ) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {"migration_id": str, "reason": str})
+        return 200, self.offload.abandon(body["migration_id"], body["reason"])
+
+    def _offload_peer(self, body: dict[str, Any]) -> AgentClient:
+        peer = body["dest"]
+        api.check_fields(peer, {"address": str, "port": int})
+        return self.peer(peer["address"], peer["port"])
+
+    def offload_depart(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {"migration_id": str, "vm": str, "dest": dict})
+        events: list[str] = []
+        handled = self.offload.depart(
+            body["migration_id"], body["vm"], self._offload_peer(body), events.append
+        )
+        return 200, {"handled": handled, "events": events}
+
+    def offload_finish(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {"migration_id": str, "dest": dict})
+        events: list[str] = []
+        summary = self.offload.finish(body["migration_id"], self._offload_peer(body), events.append)
+        return 200, {"summary": summary, "events": events}
+
+    def offload_restore(
+        self, body: dict[str, Any], _m: re.Match[str]
+    ) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {"migration_id": str, "reason": str, "dest": dict})
+        events: list[str] = []
+        peer = self._offload_peer(body)
+        self.offload.restore(body["migration_id"], body["reason"], peer, events.append)
+        return 200, {"events": events}
+
     def _destination(self, body: dict[str, Any]) -> Destination:
         api.check_fields(body, DEST_FIELDS)
         client = self.peer(body["address"], body["port"])
@@ -263,9 +333,13 @@ class Agent:
             if link.stream_bps
             else "no migration to this destination measured yet"
         )
+        try:
+            flows = self.offload.explain(body["vm"])
+        except exceptions.FlexMigError as exc:
+            flows = f"offloaded flows: unknown ({exc})"
         text = (
             f"{decision.explain()}\n  fabric to {dest.agent.address}: probed "
-            f"{link.fabric_bps / 2**20:.0f} MiB/s; {learned}"
+            f"{link.fabric_bps / 2**20:.0f} MiB/s; {learned}\n  {flows}"
         )
         return 200, {"mode": decision.mode, "transfer": decision.transfer, "explanation": text}
 

@@ -30,8 +30,13 @@ from nova.tests.functional import integrated_helpers  # noqa: E402
 from oslo_utils.fixture import uuidsentinel as uuids  # noqa: E402
 
 from flexmig import hypervisor  # noqa: E402
+from flexmig_lab import (  # noqa: E402
+    endpoints,
+    offload,
+    traffic,
+    vmspec,
+)
 from flexmig_lab import vm as lab_vm  # noqa: E402
-from flexmig_lab import vmspec  # noqa: E402
 from flexmig_lab.lab import CGROUP_ROOT  # noqa: E402
 from tests.nova_functional.harness import API_PASTE, FlexMigDriverMixin  # noqa: E402
 from tests.nova_functional.test_live_migration import FINAL_STATES  # noqa: E402
@@ -168,9 +173,12 @@ class TestNovaMovesRealGuest(
                     where.append(lab_host)
         return where
 
-    def _boot_and_migrate(self, guest: Guest) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    def _boot_and_migrate(
+        self, guest: Guest, before_migration: Any = None
+    ) -> tuple[str, dict[str, Any], dict[str, Any]]:
         """Boot ``guest`` on lab-a through Nova, live-migrate it to lab-b through Nova's API.
 
+        ``before_migration(lab_guest)`` runs once the guest is up on lab-a.
         Returns (instance name, the finished migration, what the guest saw).
         """
         self.guest = guest
@@ -182,6 +190,8 @@ class TestNovaMovesRealGuest(
         name = self.admin_api.get_server(server["id"])["OS-EXT-SRV-ATTR:instance_name"]
         self.assertEqual(["A"], self._running_on(name))
         lab_guest = lab_vm.LabVM(self.lab, name)
+        if before_migration is not None:
+            before_migration(lab_guest)
         start_ns = time.monotonic_ns()
 
         self.api.post_server_action(
@@ -239,3 +249,72 @@ class TestNovaMovesRealGuest(
         self.assertLessEqual(int((group / "memory.max_usage_in_bytes").read_text()), limit)
         # 300 MiB of verified working set lives on a host capped below it.
         self.assertGreater(seen["verify"]["pages"] * 4096, limit)
+
+    def test_guest_with_offloaded_flows_keeps_them_offloaded_on_the_destination(self) -> None:
+        """The guest sends UDP through its tap, offloaded by the XDP eSwitch on lab-a;
+        after Nova's live migration the flow is offloaded on lab-b with lab-a's counts."""
+        if not all(offload.running(self.lab.host(h)) for h in ("A", "B")):
+            self.skipTest("flexmig-offload is not running on the lab hosts (xdp provider)")
+        services = {h: offload.LabOffload(self.lab.host(h)) for h in ("A", "B")}
+        for service in services.values():
+            service.start(OFFLOAD_POLICY)
+            self.addCleanup(service.start)
+        receiver = endpoints.add(self.lab, "B", "nr1")
+        self.addCleanup(endpoints.delete, self.lab, "nr1")
+        recv = traffic.Receiver(endpoints.exec_prefix(receiver), 7001, duration=120, idle_ms=5000)
+        self.addCleanup(recv.proc.kill)
+
+        def send_and_wait_offloaded(lab_guest: Any) -> None:
+            lab_guest.udpgen_start(
+                "nova",
+                ["send", "--dst", receiver.ip, "--port", "7001", "--sport", "43001",
+                 "--rate", "1000", "--count", "40000", "--size", "64", "--batch", "8"],
+            )  # fmt: skip
+            self._wait_tap_flow(services["A"], lambda f: f["state"] == "offloaded")
+
+        name, _migration, _seen = self._boot_and_migrate(MODERATE, send_and_wait_offloaded)
+        flow = self._wait_tap_flow(services["B"], lambda f: f["state"] == "offloaded")
+        self.assertIn("re-offloaded after migration", flow["reason"])
+        self.assertIsNone(_tap_flow(services["A"].status()))
+        sent = lab_vm.LabVM(self.lab, name).udpgen_result("nova", timeout=90)["sent_packets"]
+        received = recv.result()["received_packets"]
+        time.sleep(1.5)
+        total = _tap_flow(services["B"].status())["packets"]
+        self.assertLessEqual(received, total)
+        self.assertLessEqual(total, sent)
+        if received == sent:
+            self.assertEqual(sent, total)
+        migrations = services["B"].status()["migrations"]
+        self.assertEqual("settled", migrations[-1]["state"], migrations)
+
+    def _wait_tap_flow(self, service: Any, predicate: Any) -> dict[str, Any]:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                flow = _tap_flow(service.status())
+            except (OSError, ValueError):
+                flow = None
+            if flow is not None and predicate(flow):
+                return flow
+            time.sleep(0.1)
+        self.fail(f"the guest's flow never got there: {service.status()['flows']}")
+
+
+OFFLOAD_POLICY = """\
+capacity: 64
+header_rules:
+  - {name: guest-udp, ip_proto: udp, tp_dst: 7001, action: offload}
+statistics:
+  window_s: 0.5
+  promote_pps: 1000000
+  demote_pps: 1
+  demote_intervals: 50
+"""
+
+
+def _tap_flow(status: dict[str, Any]) -> dict[str, Any] | None:
+    for flow in status["flows"]:
+        m = flow["match"]
+        if (m["tp_src"], m["tp_dst"]) == (43001, 7001) and m["in_port"].startswith("tap"):
+            return flow
+    return None

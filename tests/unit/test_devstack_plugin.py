@@ -201,6 +201,7 @@ def test_post_config_writes_offload_config_and_policy(stack):
         "uplinks": "",
         "stats_endpoint": "/var/run/openvswitch/br-int-offload.mgmt",
         "status_file": stack.env["FLEXMIG_STATE_DIR"] + "/offload-status.json",
+        "control_key_file": str(conf_dir(stack) / "agent.key"),
     }
     example = REPO / "devstack" / "files" / "offload-policy.example.yaml"
     assert policy.read_text() == example.read_text()

@@ -25,6 +25,9 @@ from flexmig_lab import emulator
 KERNEL_METAPACKAGE = "linux-image-cloud-amd64"
 GUEST_SRC = Path(__file__).parent / "guest"
 GUEST_PROGRAMS = ("dirtier", "verify", "heartbeat")
+# The project's traffic generator, static in the guest: a migrating VM carries
+# live flows through its own tap port.
+GUEST_TRAFFIC = (Path(__file__).parent / "traffic" / "udpgen.c",)
 GUEST_MODULES = ("virtio_pci", "virtio_net")
 BUSYBOX = "/bin/busybox"
 
@@ -111,7 +114,7 @@ def fetch_kernel(cache: Path) -> tuple[Path, Path]:
 
 def _inputs_digest(modules_dir: Path) -> str:
     h = hashlib.sha256()
-    for path in sorted(GUEST_SRC.iterdir()):
+    for path in [*sorted(GUEST_SRC.iterdir()), *GUEST_TRAFFIC]:
         h.update(path.name.encode())
         h.update(path.read_bytes())
     h.update(str(modules_dir).encode())
@@ -120,18 +123,20 @@ def _inputs_digest(modules_dir: Path) -> str:
 
 
 def _compile_programs(out_dir: Path) -> None:
-    for prog in GUEST_PROGRAMS:
+    sources = [GUEST_SRC / f"{prog}.c" for prog in GUEST_PROGRAMS] + list(GUEST_TRAFFIC)
+    for source in sources:
         processutil.run(
             [
                 "gcc",
                 "-static",
                 "-O2",
+                "-std=gnu11",
                 "-Wall",
                 "-Wextra",
                 "-Werror",
                 "-o",
-                str(out_dir / prog),
-                str(GUEST_SRC / f"{prog}.c"),
+                str(out_dir / source.stem),
+                str(source),
             ],
             timeout=120,
         )

@@ -53,10 +53,17 @@ def provider_installed(name: str) -> bool:
 
 
 VM_PORT_PATTERNS = (r"tap\d+", r"ep-[a-z0-9]+")
+CONTROL_SOCKET = "/run/flexmig/offload-control.sock"
 
 
-def offload_conf(provider: str, policy_file: str, poll_interval: float, extra: str = "") -> str:
-    """The service's config file; ``extra`` appends sections (e.g. [offload_xdp])."""
+def offload_conf(
+    provider: str, policy_file: str, poll_interval: float, extra: str = "", key_file: str = ""
+) -> str:
+    """The service's config file; ``extra`` appends sections (e.g. [offload_xdp]).
+
+    With ``key_file`` (the lab's agent key) the control interface the host's
+    agent moves migrating VMs' flows through is served on CONTROL_SOCKET.
+    """
     return extra + "\n".join(
         [
             "[offload]",
@@ -72,6 +79,8 @@ def offload_conf(provider: str, policy_file: str, poll_interval: float, extra: s
             # Fresh OVS counters every 100 ms: promotion within 200 ms
             # (docs/benchmarks/offload-control.md).
             "ovs_revalidator_ms = 100",
+            f"control_socket = {CONTROL_SOCKET if key_file else ''}",
+            f"control_key_file = {key_file}",
             "",
         ]
     )
@@ -107,7 +116,13 @@ class LabOffload:
         if policy_text is not None or not self.policy_file.exists():
             self.policy_file.write_text(DEFAULT_POLICY if policy_text is None else policy_text)
         self.conf_file.write_text(
-            offload_conf(provider, str(self.policy_file), poll_interval, extra_conf)
+            offload_conf(
+                provider,
+                str(self.policy_file),
+                poll_interval,
+                extra_conf,
+                str(self.host.dir.parents[1] / "agent.key"),
+            )
         )
         self.host.ns.root_path(STATUS_FILE).unlink(missing_ok=True)
         script = (

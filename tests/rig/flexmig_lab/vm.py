@@ -86,6 +86,26 @@ class LabVM:
         fields = dict(kv.split("=", 1) for kv in text.split("VERIFY", 1)[1].split())
         return {k: int(v) for k, v in fields.items()}
 
+    # -- live traffic from inside the guest (udpgen through its tap port) ----------
+    def udpgen_start(self, tag: str, args: list[str]) -> None:
+        """Start ``udpgen <args>`` in the guest in the background, named ``tag``."""
+        if not tag.isalnum() or not all(
+            a.replace(".", "").replace("-", "").isalnum() for a in args
+        ):
+            raise exceptions.InvalidInput(what="udpgen command", reason=f"{tag} {args}")
+        self.command(f"udpgen {tag} {' '.join(args)}")
+
+    def udpgen_result(self, tag: str, timeout: float = 60.0) -> dict[str, float]:
+        """The JSON totals the guest's udpgen printed when it ended."""
+
+        def done() -> dict[str, float] | None:
+            text = self.command(f"udpgen-result {tag}")
+            return None if text.startswith("running") else json.loads(text)
+
+        return processutil.wait_for(
+            done, timeout=timeout, interval=0.5, what=f"udpgen {tag} in {self.name} to end"
+        )
+
     def heartbeat(self, since_ns: int = 0, until_ns: int | None = None) -> heartbeat.GapReport:
         log = self.dir / "heartbeat.log"
         with open(log, encoding="ascii", errors="replace") as f:

@@ -1,0 +1,88 @@
+"""The extension's local control interface over a real UNIX socket, signed like the agents'.
+
+The control state is the simulated host of test_offload_control (fake fast
+path); requests go through the same client the agent uses.
+"""
+
+import pytest
+
+from agents.agent.client import AgentClient, AgentError
+from ovs_ext import control_api
+from ovs_ext.app import Runtime
+from ovs_ext.flows import FlowState
+from tests.unit.test_offload_control import Sim, flow, stats_policy
+
+KEY = b"k" * 32
+
+
+@pytest.fixture
+def served(tmp_path):
+    sim = Sim(stats_policy())
+    runtime = Runtime(sim.control, "br-int", 0.1, status_file=str(tmp_path / "status.json"))
+    api = control_api.serve(runtime, str(tmp_path / "ctl.sock"), KEY)
+    client = AgentClient(str(tmp_path / "ctl.sock"), 0, KEY)
+    yield sim, client, tmp_path
+    api.server.shutdown()
+    api.server.server_close()
+
+
+def offloaded(sim, m):
+    sim.start(m, "phy0")
+    for _ in range(3):
+        sim.tick({m: 5000})
+    assert sim.control.flows.get(m).state is FlowState.OFFLOADED
+
+
+def test_depart_over_the_socket_demotes_and_returns_the_records(served):
+    sim, client, tmp_path = served
+    m = flow(1)
+    offloaded(sim, m)
+    body = {"migration_id": "m-1", "ports": ["tap0"], "peer": "hostB"}
+    records = client.post("/v1/migrations/depart", body)["flows"]
+    assert len(records) == 1 and records[0]["was_offloaded"]
+    assert sim.control.flows.get(m).state is FlowState.ONLOADED
+    assert '"state": "departing"' in (tmp_path / "status.json").read_text()
+    shown = client.get("/v1/migrations/m-1")
+    assert shown["role"] == "source" and shown["were_offloaded"] == 1
+
+
+def test_an_unsigned_or_wrongly_signed_request_changes_nothing(served):
+    sim, _client, tmp_path = served
+    m = flow(1)
+    offloaded(sim, m)
+    intruder = AgentClient(str(tmp_path / "ctl.sock"), 0, b"x" * 32)
+    with pytest.raises(AgentError, match="401"):
+        intruder.post(
+            "/v1/migrations/depart", {"migration_id": "m", "ports": ["tap0"], "peer": "b"}
+        )
+    assert sim.control.flows.get(m).state is FlowState.OFFLOADED
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"migration_id": "m 1", "ports": ["tap0"], "peer": "b"},
+        {"migration_id": "m1", "ports": [], "peer": "b"},
+        {"migration_id": "m1", "ports": ["tap0; rm -rf"], "peer": "b"},
+        {"migration_id": "m1", "ports": ["tap0"]},
+        {"migration_id": "m1", "ports": ["tap0"], "peer": "b", "extra": 1},
+    ],
+)
+def test_bad_depart_requests_are_refused_and_change_nothing(served, body):
+    sim, client, _ = served
+    m = flow(1)
+    offloaded(sim, m)
+    with pytest.raises(AgentError, match="400"):
+        client.post("/v1/migrations/depart", body)
+    assert sim.control.flows.get(m).state is FlowState.OFFLOADED
+    assert sim.control.flows.get(m).held == ""
+
+
+def test_arrive_with_a_malformed_record_registers_nothing(served):
+    sim, client, _ = served
+    body = {"migration_id": "m1", "ports": ["tap0"], "peer": "a", "flows": [{"v": 1}]}
+    with pytest.raises(AgentError, match="400"):
+        client.post("/v1/migrations/arrive", body)
+    assert len(sim.control.flows) == 0
+    with pytest.raises(AgentError, match="400"):
+        client.post("/v1/migrations/m1/resume", {})
