@@ -11,6 +11,7 @@ APT_PACKAGES=(
   openvswitch-switch openvswitch-common
   busybox-static cpio kmod tini
   clang llvm libbpf-dev bpftool libelf-dev zlib1g-dev
+  libclang-rt-14-dev
   libfabric-dev libfabric-bin
   iperf3 socat iproute2 ethtool iputils-ping util-linux
   gcc make libc6-dev shellcheck
@@ -94,6 +95,10 @@ install_python() {
     log "no git history here: installing as version $UNVERSIONED"
     export PBR_VERSION=$UNVERSIONED
   fi
+  # pbr's editable install keeps FlexMig's metadata in the virtualenv; an
+  # egg-info the earlier setuptools install left in the tree would shadow it
+  # (stale entry points) for anything run from here.
+  rm -rf flexmig.egg-info
   step "creating the virtualenv in .venv (Python packages, a few minutes the first time)"
   {
     python3 -m venv .venv
