@@ -11,6 +11,7 @@ APT_PACKAGES=(
   openvswitch-switch openvswitch-common
   busybox-static cpio kmod tini
   clang llvm libbpf-dev bpftool libelf-dev zlib1g-dev
+  libclang-rt-14-dev
   libfabric-dev libfabric-bin
   iperf3 socat iproute2 ethtool iputils-ping util-linux
   gcc make libc6-dev shellcheck

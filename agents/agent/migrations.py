@@ -187,6 +187,8 @@ class MigrationService:
             postcopy_blocker=mem.postcopy_blocker,
             setup_s=link.setup_s,
             switchover_s=link.switchover_s,
+            dest_store_write_bps=float(facts.get("store_write_bps") or 0.0),
+            dest_memory_cgroup=str((facts.get("memory_cgroup") or {}).get("detail") or ""),
         )
         return decide(inputs, mode)
 
@@ -321,6 +323,7 @@ class MigrationService:
                     "vm": record.vm,
                     "ram_bytes": decision.ram_bytes,
                     "budget_bytes": decision.memory_budget_bytes,
+                    "headroom_bytes": decision.headroom_bytes,
                 },
             )
             record.event(

@@ -17,7 +17,7 @@ from oslo_privsep import daemon as privsep_daemon
 from agents.agent import api, auth, config, facts, inventory, movers, offload_hook, privileged
 from agents.agent.client import AgentClient
 from agents.agent.migrations import Destination, MigrationService
-from agents.agent.split_store import ChunkFlusher, SplitStore
+from agents.agent.split_store import ChunkFlusher, ResidencyKeeper, SplitStore
 from flexmig import exceptions
 from flexmig.policy.transport import TRANSPORTS
 
@@ -38,6 +38,7 @@ MAX_PARALLEL = 8  # libvirt's parallel connections (QEMU multifd channels)
 # An incoming migration's writeback ends when the source says so; this bounds
 # it should the source never say (its agent died).
 INCOMING_WRITEBACK_MAX_S = 3600.0
+STORE_PROBE_MAX_AGE_S = 600.0
 
 
 class Agent:
@@ -56,6 +57,8 @@ class Agent:
         )
         self.flush_stops: dict[str, threading.Event] = {}
         self.flushers: dict[str, ChunkFlusher] = {}
+        self.keepers: dict[str, ResidencyKeeper] = {}
+        self._store_probe = (0.0, 0.0)
         self.router = api.Router()
         r = self.router
         r.add("GET", "/v1/health", lambda b, m: (200, {"ok": True, "host": self.host}))
@@ -96,8 +99,29 @@ class Agent:
             self.conf.agent.libvirt_uri,
             self.conf.agent.memory_budget_mb,
             self.conf.agent.store_dir,
+            self._memory_cgroup(),
             {peer: dataclasses.asdict(link) for peer, link in self.migrations.links.items()},
+            self._store_write_bps(),
         )
+
+    def _store_write_bps(self) -> float:
+        """The store's write bandwidth, probed at most every STORE_PROBE_MAX_AGE_S."""
+        measured_at, bps = self._store_probe
+        if time.monotonic() - measured_at > STORE_PROBE_MAX_AGE_S or not bps:
+            try:
+                bps = facts.store_write_bps(self.conf.agent.store_dir)
+            except OSError as exc:
+                LOG.warning("cannot probe the store's write bandwidth: %s", exc)
+                return 0.0
+            self._store_probe = (time.monotonic(), bps)
+        return bps
+
+    def _memory_cgroup(self) -> dict[str, Any]:
+        try:
+            hierarchy = self.store.hierarchy
+        except exceptions.MissingPrerequisite as exc:
+            return {"version": None, "detail": str(exc)}
+        return {"version": hierarchy.version, "detail": hierarchy.describe()}
 
     def inventory(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         """Every running VM's facts and dirty model, and the links to ``probe`` peers."""
@@ -140,9 +164,19 @@ class Agent:
         return 200, bytes(mib << 20)
 
     def split_prepare(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
-        api.check_fields(body, {"vm": str, "ram_bytes": int, "budget_bytes": int})
-        result = self.store.prepare(body["vm"], body["ram_bytes"], body["budget_bytes"])
-        self._start_flusher(body["vm"])
+        api.check_fields(
+            body, {"vm": str, "ram_bytes": int, "budget_bytes": int}, {"headroom_bytes": int}
+        )
+        vm = body["vm"]
+        result = self.store.prepare(
+            vm, body["ram_bytes"], body["budget_bytes"], body.get("headroom_bytes")
+        )
+        self._stop_flusher(vm)
+        # The keeper writes the VM's file back and keeps its residency under the budget.
+        stop = threading.Event()
+        self.flush_stops[vm] = stop
+        self.keepers[vm] = ResidencyKeeper(self.store, vm, stop)
+        self.keepers[vm].start()
         return 200, result
 
     def _start_flusher(self, vm: str, lifetime_s: float | None = None) -> None:
@@ -170,6 +204,9 @@ class Agent:
         if stop:
             stop.set()
         flusher = self.flushers.pop(vm, None)
+        keeper = self.keepers.pop(vm, None)
+        if keeper:
+            return keeper.stats["rounds"]
         return flusher.rounds if flusher else 0
 
     def incoming_writeback(
@@ -177,7 +214,7 @@ class Agent:
     ) -> tuple[int, dict[str, Any]]:
         """Keep an incoming VM's memory file written back while it migrates here.
 
-        A split VM's flusher runs for the VM's whole stay and is left alone.
+        A split VM's residency keeper runs for the VM's whole stay and is left alone.
         """
         api.check_fields(body, {"vm": str, "active": bool})
         vm = body["vm"]
@@ -228,6 +265,8 @@ class Agent:
             "vm": vm,
             "reservation": self.store.reservation(vm),
             "cgroup": self.store.usage(vm),
+            "cgroup_version": self.store.hierarchy.version,
+            "residency": dict(self.keepers[vm].stats) if vm in self.keepers else None,
         }
 
     # -- offloaded flows across a migration (offload_hook.py) ---------------------

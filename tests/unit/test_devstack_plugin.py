@@ -179,6 +179,33 @@ def test_split_configures_libvirt_and_the_hook(stack):
     assert stack.calls("restart_service") == [["libvirtd"]]
 
 
+def test_split_on_cgroup_v1_leaves_systemd_alone(stack):
+    stack.run("stack:install", "stack:post-config")
+    assert not stack.path("FLEXMIG_MACHINE_SLICE_DROPIN").exists()
+    assert not [c for c in stack.calls("sudo") if c[0] == "systemctl"]
+
+
+def test_split_on_cgroup_v2_gives_the_machine_slice_the_memory_controller(stack):
+    (stack.path("FLEXMIG_CGROUP_ROOT") / "cgroup.controllers").write_text("cpu io memory pids\n")
+    before = stack.snapshot()
+    stack.run("stack:install", "stack:post-config")
+    dropin = stack.path("FLEXMIG_MACHINE_SLICE_DROPIN").read_text()
+    assert "[Slice]\nMemoryAccounting=yes\n" in dropin
+    systemctl = [c for c in stack.calls("sudo") if c[0] == "systemctl"]
+    assert systemctl == [["systemctl", "daemon-reload"], ["systemctl", "restart", "machine.slice"]]
+    stack.run("clean:")
+    assert not stack.path("FLEXMIG_MACHINE_SLICE_DROPIN").exists()
+    after = stack.snapshot()
+    assert {k for k in after if "machine.slice" in k} == {k for k in before if "machine.slice" in k}
+
+
+def test_split_on_cgroup_v2_without_memory_fails_naming_it(stack):
+    (stack.path("FLEXMIG_CGROUP_ROOT") / "cgroup.controllers").write_text("cpu io pids\n")
+    proc = stack.run("stack:install", "stack:post-config", check=False)
+    assert proc.returncode != 0
+    assert "cgroup-v2 memory controller" in proc.stdout + proc.stderr
+
+
 def test_postcopy_allows_unprivileged_userfaultfd(stack):
     stack.run("stack:install", "stack:post-config")
     assert ["sysctl", "-w", "vm.unprivileged_userfaultfd=1"] in stack.calls("sudo")
