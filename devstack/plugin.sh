@@ -141,7 +141,8 @@ function _flexmig_check_names {
     fi
     local name
     for name in FLEXMIG_DIR FLEXMIG_CONF_DIR FLEXMIG_DATA_DIR FLEXMIG_STATE_DIR \
-        FLEXMIG_STORE_DIR FLEXMIG_AGENT_KEY_FILE FLEXMIG_LIBVIRT_HOOK FLEXMIG_SYSCTL_FILE; do
+        FLEXMIG_STORE_DIR FLEXMIG_AGENT_KEY_FILE FLEXMIG_LIBVIRT_HOOK FLEXMIG_SYSCTL_FILE \
+        FLEXMIG_MACHINE_SLICE_DROPIN FLEXMIG_CGROUP_ROOT; do
         if [[ ${!name} != /* ]]; then
             _flexmig_bad "$name='${!name}': must be an absolute path"
         fi
@@ -323,6 +324,9 @@ function _flexmig_configure_agent {
     iniset "$FLEXMIG_AGENT_CONF" agent cgroup_parent "$FLEXMIG_AGENT_CGROUP_PARENT"
     iniset "$FLEXMIG_AGENT_CONF" agent max_downtime_ms "$FLEXMIG_MAX_DOWNTIME_MS"
     iniset "$FLEXMIG_AGENT_CONF" agent tcp_fabric_transport "$FLEXMIG_AGENT_TCP_FABRIC_TRANSPORT"
+    # Nova drives every live migration here: the agents' own orchestration
+    # routes would let any holder of the shared key move VMs behind its back.
+    iniset "$FLEXMIG_AGENT_CONF" agent allow_orchestration "$FLEXMIG_AGENT_ALLOW_ORCHESTRATION"
 }
 
 function _flexmig_configure_nova {
@@ -365,6 +369,29 @@ export FLEXMIG_CGROUP_PARENT=$FLEXMIG_AGENT_CGROUP_PARENT
 exec $PYTHON -m agents.agent.libvirt_hook "\$@"
 EOF
     sudo chmod 0755 "$FLEXMIG_LIBVIRT_HOOK"
+    if _flexmig_cgroup_v2; then
+        _flexmig_configure_machine_slice
+    fi
+}
+
+# True on a unified (cgroup v2) hierarchy, where there is no v1 memory mount.
+function _flexmig_cgroup_v2 {
+    [[ -f $FLEXMIG_CGROUP_ROOT/cgroup.controllers ]]
+}
+
+# cgroup v2: the memory controller must reach libvirt's machine scopes, where
+# the hook sets memory.max; systemd enables it below machine.slice once the
+# slice accounts memory.
+function _flexmig_configure_machine_slice {
+    _flexmig_make_dir "$(dirname "$FLEXMIG_MACHINE_SLICE_DROPIN")"
+    printf '%s\n[Slice]\nMemoryAccounting=yes\n' "$FLEXMIG_MARKER" |
+        sudo tee "$FLEXMIG_MACHINE_SLICE_DROPIN" >/dev/null
+    sudo systemctl daemon-reload
+    sudo systemctl restart machine.slice
+    if ! grep -qw memory "$FLEXMIG_CGROUP_ROOT/cgroup.controllers"; then
+        die $LINENO "split needs the cgroup-v2 memory controller, and" \
+            "$FLEXMIG_CGROUP_ROOT/cgroup.controllers has none (kernel cgroup_disable=memory?)"
+    fi
 }
 
 # Postcopy: libvirt runs QEMU unprivileged, and userfaultfd then needs this.
@@ -476,6 +503,11 @@ function _flexmig_clean_host {
     fi
     if sudo test -f "$FLEXMIG_SYSCTL_FILE" && sudo grep -qxF "$FLEXMIG_MARKER" "$FLEXMIG_SYSCTL_FILE"; then
         sudo rm -f "$FLEXMIG_SYSCTL_FILE"
+    fi
+    if sudo test -f "$FLEXMIG_MACHINE_SLICE_DROPIN" &&
+        sudo grep -qxF "$FLEXMIG_MARKER" "$FLEXMIG_MACHINE_SLICE_DROPIN"; then
+        sudo rm -f "$FLEXMIG_MACHINE_SLICE_DROPIN"
+        sudo systemctl daemon-reload
     fi
     if [[ -f $FLEXMIG_USERFAULTFD_SAVED ]]; then
         sudo sysctl -w "vm.unprivileged_userfaultfd=$(cat "$FLEXMIG_USERFAULTFD_SAVED")"

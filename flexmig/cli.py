@@ -1,7 +1,9 @@
-"""The ``flexmig`` command line: ``explain`` and ``migrate``.
+"""The ``flexmig`` command line: ``explain``, ``migrate`` and ``drain``.
 
 VMs and hosts are found through an inventory (entry point group
-``flexmig.inventories``): ``--inventory`` or ``$FLEXMIG_INVENTORY`` names it.
+``flexmig.inventories``), ``--inventory`` or ``$FLEXMIG_INVENTORY``: ``host``
+(the default) is a compute host running flexmig-agent, configured by the
+agent's own file; the lab's rig adds ``lab``.
 """
 
 from __future__ import annotations
@@ -12,10 +14,10 @@ import json
 import os
 import sys
 
-from flexmig import exceptions, migrate_cli
+from flexmig import exceptions, migrate_cli, tables
 
 INVENTORY_GROUP = "flexmig.inventories"
-DEFAULT_INVENTORY = "lab"
+DEFAULT_INVENTORY = "host"
 
 
 def _print(data: object, as_json: bool) -> None:
@@ -28,33 +30,39 @@ def _print(data: object, as_json: bool) -> None:
         print(data)
 
 
-def load_inventory(name: str) -> migrate_cli.Inventory:
-    """The inventory registered under ``name``, built with no arguments."""
+def load_inventory(name: str, config_files: list[str]) -> migrate_cli.Inventory:
+    """The inventory registered under ``name``, built from the config files."""
     found = {ep.name: ep for ep in importlib.metadata.entry_points(group=INVENTORY_GROUP)}
     if name not in found:
         raise exceptions.InvalidInput(
             what="inventory",
             reason=f"{name!r} is not installed (installed: {', '.join(sorted(found)) or 'none'})",
         )
-    return found[name].load()()
+    return found[name].load()(config_files)
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
     plan = migrate_cli.explain(
-        load_inventory(args.inventory),
+        load_inventory(args.inventory, args.config_file),
         args.vm,
         args.to,
         args.mode,
         args.max_downtime_ms,
         args.bandwidth_mib,
     )
+    if args.json:
+        _print(plan, True)
+        return 0
     print(plan["explanation"])
+    tables.show_one(
+        {"VM": args.vm, "to": args.to, "mode": plan["mode"], "pages moved by": plan["transfer"]}
+    )
     return 0
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
     result = migrate_cli.migrate(
-        load_inventory(args.inventory),
+        load_inventory(args.inventory, args.config_file),
         args.vm,
         args.to,
         args.mode,
@@ -67,9 +75,14 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         _print(result, True)
     else:
         _print_summary(result)
-    check = result.get("verify") or {}
-    ok = result["state"] == "completed" and check.get("bad") == 0 and check.get("lost") == 0
-    return 0 if ok else 1
+    return 0 if migration_ok(result) else 1
+
+
+def migration_ok(result: dict[str, object]) -> bool:
+    """Completed, the VM running, and every page good where the guest could be asked."""
+    check = result.get("verify")
+    clean = check is None or (check.get("bad") == 0 and check.get("lost") == 0)  # type: ignore[union-attr]
+    return result["state"] == "completed" and result.get("running_on") is not None and clean
 
 
 def cmd_drain(args: argparse.Namespace) -> int:
@@ -77,7 +90,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
         return _drain_through_nova(args)
     from flexmig import drain_cli  # the drain's modules load only for this command
 
-    lab = load_inventory(args.inventory)
+    lab = load_inventory(args.inventory, args.config_file)
     plan, inputs, backend = drain_cli.prepare(
         lab, args.host, args.max_concurrency, args.link_mib, args.max_downtime_ms
     )
@@ -214,10 +227,14 @@ def _print_summary(result: dict[str, object]) -> None:
         "verify": f"{check.get('bad')} bad, {check.get('lost')} lost of {check.get('pages')} "
         "pages"
         if check
-        else "not run (the VM is not running)",
+        else "not run (no probe inside this inventory's guests, or the VM is not running)",
     }
-    for key, value in rows.items():
-        print(f"{key:>24}: {value}")
+    if result.get("guest_observed_downtime_ms") is None:
+        rows["guest-observed downtime"] = (
+            f"not measured (libvirt: {result.get('downtime_ms')} ms, "
+            f"predicted {result.get('predicted_downtime_ms')} ms)"
+        )
+    tables.show_one(rows)
 
 
 def _parallel_connections(text: str) -> int:
@@ -236,8 +253,10 @@ def _add_migration_parsers(sub: argparse._SubParsersAction) -> None:  # type: ig
         ("migrate", cmd_migrate, "live-migrate a VM the FlexMig way"),
     ):
         p = sub.add_parser(name, help=text)
-        p.add_argument("vm")
-        p.add_argument("--to", required=True, help="destination host")
+        p.add_argument("vm", help="libvirt domain name or Nova instance UUID")
+        p.add_argument(
+            "--to", required=True, help="destination host: name or address (lab: A, B, ...)"
+        )
         p.add_argument("--mode", default="auto", choices=("auto", "precopy", "postcopy", "split"))
         p.add_argument("--max-downtime-ms", type=int, help="downtime budget (default: agent's)")
         p.add_argument(
@@ -272,6 +291,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=os.environ.get("FLEXMIG_INVENTORY", DEFAULT_INVENTORY),
         help="where VMs and hosts are found (entry point group flexmig.inventories; "
         f"default $FLEXMIG_INVENTORY or {DEFAULT_INVENTORY})",
+    )
+    parser.add_argument(
+        "--config-file",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="the agent's configuration ([agent] key, address, port, libvirt; [cli] "
+        "peer URIs); repeatable; default /etc/flexmig/agent.conf (host inventory)",
     )
     sub = parser.add_subparsers(dest="command", required=True)
     _add_migration_parsers(sub)

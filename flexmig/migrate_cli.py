@@ -32,6 +32,9 @@ class Inventory(Protocol):
     def host_names(self) -> list[str]:
         """Every host the inventory knows (a drain's candidate destinations)."""
 
+    def domain(self, vm: str) -> str:
+        """The libvirt domain name of ``vm`` (however the inventory lets VMs be named)."""
+
     def vm_host(self, vm: str) -> str | None:
         """The host the VM runs on, or None."""
 
@@ -55,13 +58,14 @@ def _request(
     transport: str = "auto",
     parallel: int = 1,
 ) -> tuple[str, dict[str, Any]]:
-    source = lab.vm_host(name)
+    domain = lab.domain(name)
+    source = lab.vm_host(domain)
     if source is None:
         raise exceptions.InvalidInput(what="VM", reason=f"{name!r} is not running")
     dest_name, dest = lab.destination(to)
     if dest_name == source:
         raise exceptions.InvalidInput(what="destination", reason=f"{name} already runs on {to}")
-    body: dict[str, Any] = {"vm": name, "mode": mode, "dest": dest}
+    body: dict[str, Any] = {"vm": domain, "mode": mode, "dest": dest}
     if max_downtime_ms is not None:
         body["max_downtime_ms"] = max_downtime_ms
     if bandwidth_mib:
@@ -119,6 +123,7 @@ def migrate(
     parallel: int = 1,
 ) -> dict[str, Any]:
     """Run a FlexMig migration; measure it from inside the guest if the inventory can."""
+    name = lab.domain(name)
     guest = lab.guest(name)
     start_ns = time.monotonic_ns()
     source, agent, migration_id = start(
@@ -136,6 +141,10 @@ def migrate(
         "events": [text for _ts, text in record["events"]],
     }
     landed = lab.vm_host(name)
+    if landed is None and guest is None and record["state"] == "completed":
+        # No probe inside the guest and the source no longer has it: libvirt
+        # reported the migration complete, so it runs on the destination.
+        landed = lab.destination(to)[0]
     result["running_on"] = landed
     if landed is not None and guest is not None:
         guest.wait_heartbeat(host=landed)

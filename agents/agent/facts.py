@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import tempfile
+import time
 
 import libvirt
 
@@ -19,6 +21,24 @@ def _mem_available() -> int:
     return 0
 
 
+STORE_PROBE_BYTES = 32 * MIB
+
+
+def store_write_bps(store_dir: str, nbytes: int = STORE_PROBE_BYTES) -> float:
+    """The store's write bandwidth the way split writes it: 1 MiB chunks, then durable."""
+    chunk = os.urandom(MIB)  # not zeros: some stores compress or skip them
+    fd, path = tempfile.mkstemp(prefix=".write-probe-", dir=store_dir)
+    try:
+        start = time.monotonic()
+        for _ in range(max(1, nbytes // MIB)):
+            os.write(fd, chunk)
+        os.fdatasync(fd)
+        return max(1, nbytes // MIB) * MIB / max(time.monotonic() - start, 1e-6)
+    finally:
+        os.close(fd)
+        os.unlink(path)
+
+
 def running_vm_ram(uri: str, host: str) -> int:
     with hypervisor.connect(uri, host) as conn:
         with hypervisor.wrap_errors(host, "list running VMs"):
@@ -27,8 +47,15 @@ def running_vm_ram(uri: str, host: str) -> int:
 
 
 def host_facts(
-    host: str, uri: str, budget_mb: int, store_dir: str, links: dict[str, object]
+    host: str,
+    uri: str,
+    budget_mb: int,
+    store_dir: str,
+    memory_cgroup: dict[str, object],
+    links: dict[str, object],
+    store_bps: float = 0.0,
 ) -> dict[str, object]:
+    """``memory_cgroup``: which hierarchy caps split VMs here (version 1, 2 or None)."""
     used = running_vm_ram(uri, host)
     budget = budget_mb * MIB if budget_mb else _mem_available() + used
     st = os.statvfs(store_dir)
@@ -40,5 +67,7 @@ def host_facts(
         "store_dir": store_dir,
         "store_capacity_bytes": st.f_blocks * st.f_frsize,
         "store_free_bytes": st.f_bavail * st.f_frsize,
+        "store_write_bps": store_bps,
+        "memory_cgroup": memory_cgroup,
         "measured_links": links,
     }

@@ -13,16 +13,15 @@ helper_command`` (sudo privsep-helper …), as Nova and os-vif do.
 from __future__ import annotations
 
 import os
-import socket
 from pathlib import Path
 
 from oslo_privsep import capabilities as caps
 from oslo_privsep import priv_context
 
+from agents.agent import memcg
 from flexmig import exceptions
 from flexmig.vm_facts import guest_ram_mapping
 
-CGROUP_MEMORY = Path("/sys/fs/cgroup/memory")
 LIBVIRT_PID_DIR = Path("/run/libvirt/qemu")
 MAX_RAM_BYTES = 1 << 42
 
@@ -63,12 +62,8 @@ def remove_split_cgroup(cgroup_parent: str, vm: str) -> None:
     """Remove a split VM's memory group; refuses while QEMU is still in it."""
     check_name("cgroup parent", cgroup_parent)
     check_name("VM name", vm)
-    group = CGROUP_MEMORY / cgroup_parent / socket.gethostname() / vm
-    if not group.exists():
-        return
-    try:
-        group.rmdir()
-    except OSError as exc:
-        raise exceptions.FlexMigError(
-            f"cgroup {group} still has processes; the VM is running: {exc}"
-        ) from exc
+    memcg.remove_own_group(memory_hierarchy(), cgroup_parent, vm)
+
+
+def memory_hierarchy() -> memcg.MemoryHierarchy:
+    return memcg.detect()

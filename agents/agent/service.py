@@ -6,18 +6,30 @@ import dataclasses
 import logging
 import re
 import socket
+import ssl
 import sys
 import threading
 import time
 from typing import Any
 
 from oslo_config import cfg
+from oslo_log import log
 from oslo_privsep import daemon as privsep_daemon
 
-from agents.agent import api, auth, config, facts, inventory, movers, offload_hook, privileged
+from agents.agent import (
+    api,
+    auth,
+    config,
+    facts,
+    inventory,
+    listener,
+    movers,
+    offload_hook,
+    privileged,
+)
 from agents.agent.client import AgentClient
 from agents.agent.migrations import Destination, MigrationService
-from agents.agent.split_store import ChunkFlusher, SplitStore
+from agents.agent.split_store import ChunkFlusher, ResidencyKeeper, SplitStore
 from flexmig import exceptions
 from flexmig.policy.transport import TRANSPORTS
 
@@ -38,6 +50,7 @@ MAX_PARALLEL = 8  # libvirt's parallel connections (QEMU multifd channels)
 # An incoming migration's writeback ends when the source says so; this bounds
 # it should the source never say (its agent died).
 INCOMING_WRITEBACK_MAX_S = 3600.0
+STORE_PROBE_MAX_AGE_S = 600.0
 
 
 class Agent:
@@ -56,6 +69,8 @@ class Agent:
         )
         self.flush_stops: dict[str, threading.Event] = {}
         self.flushers: dict[str, ChunkFlusher] = {}
+        self.keepers: dict[str, ResidencyKeeper] = {}
+        self._store_probe = (0.0, 0.0)
         self.router = api.Router()
         r = self.router
         r.add("GET", "/v1/health", lambda b, m: (200, {"ok": True, "host": self.host}))
@@ -65,10 +80,8 @@ class Agent:
         r.add("POST", "/v1/split/cleanup", self.split_cleanup)
         r.add("GET", r"/v1/split/(?P<vm>[^/]+)", self.split_status)
         r.add("POST", "/v1/incoming/writeback", self.incoming_writeback)
-        r.add("POST", "/v1/plan", self.plan)
+        # Read-only: Nova's drain (nova_driver.drain) asks it too.
         r.add("POST", "/v1/inventory", self.inventory)
-        r.add("POST", "/v1/mover/receive", self.mover_receive)
-        r.add("POST", "/v1/mover/finish", self.mover_finish)
         self.receivers: dict[str, movers.MoverSet] = {}
         # A migrating VM's offloaded flows: the destination's side (from the peer
         # agent) and the source's (from this host's Nova driver).
@@ -78,16 +91,36 @@ class Agent:
         r.add("POST", "/v1/offload/depart", self.offload_depart)
         r.add("POST", "/v1/offload/finish", self.offload_finish)
         r.add("POST", "/v1/offload/restore", self.offload_restore)
-        r.add("POST", "/v1/migrations", self.migrate)
-        r.add("GET", r"/v1/migrations/(?P<id>[0-9a-f]+)", self.migration_status)
-        r.add(
-            "GET",
-            "/v1/migrations",
-            lambda b, m: (
-                200,
-                {"migrations": [rec.as_dict() for rec in self.migrations.records.values()]},
-            ),
-        )
+        # Routes that plan or move VMs on the agents' own initiative.
+        orchestrate = self._orchestration
+        r.add("POST", "/v1/plan", orchestrate(self.plan))
+        r.add("POST", "/v1/mover/receive", orchestrate(self.mover_receive))
+        r.add("POST", "/v1/mover/finish", orchestrate(self.mover_finish))
+        r.add("POST", "/v1/migrations", orchestrate(self.migrate))
+        r.add("GET", r"/v1/migrations/(?P<id>[0-9a-f]+)", orchestrate(self.migration_status))
+        r.add("GET", "/v1/migrations", orchestrate(self.list_migrations))
+
+    def _orchestration(self, handler: api.Handler) -> api.Handler:
+        if self.conf.agent.allow_orchestration:
+            return handler
+
+        def refuse(_body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+            raise api.Forbidden(
+                reason="this host's migrations are driven by Nova; the agent's own "
+                "orchestration is disabled ([agent] allow_orchestration = false)"
+            )
+
+        return refuse
+
+    def list_migrations(
+        self, body: dict[str, Any], _m: re.Match[str]
+    ) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {})
+        return 200, {"migrations": [rec.as_dict() for rec in self.migrations.records.values()]}
+
+    def peer(self, address: str, port: int) -> AgentClient:
+        """A client for another agent: TLS against the deployment's CA when this one serves TLS."""
+        return AgentClient(address, port, self.key, ca_file=self.conf.agent.tls_ca_file)
 
     def get_facts(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         api.check_fields(body, {})
@@ -96,8 +129,29 @@ class Agent:
             self.conf.agent.libvirt_uri,
             self.conf.agent.memory_budget_mb,
             self.conf.agent.store_dir,
+            self._memory_cgroup(),
             {peer: dataclasses.asdict(link) for peer, link in self.migrations.links.items()},
+            self._store_write_bps(),
         )
+
+    def _store_write_bps(self) -> float:
+        """The store's write bandwidth, probed at most every STORE_PROBE_MAX_AGE_S."""
+        measured_at, bps = self._store_probe
+        if time.monotonic() - measured_at > STORE_PROBE_MAX_AGE_S or not bps:
+            try:
+                bps = facts.store_write_bps(self.conf.agent.store_dir)
+            except OSError as exc:
+                LOG.warning("cannot probe the store's write bandwidth: %s", exc)
+                return 0.0
+            self._store_probe = (time.monotonic(), bps)
+        return bps
+
+    def _memory_cgroup(self) -> dict[str, Any]:
+        try:
+            hierarchy = self.store.hierarchy
+        except exceptions.MissingPrerequisite as exc:
+            return {"version": None, "detail": str(exc)}
+        return {"version": hierarchy.version, "detail": hierarchy.describe()}
 
     def inventory(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         """Every running VM's facts and dirty model, and the links to ``probe`` peers."""
@@ -110,7 +164,7 @@ class Agent:
             if not isinstance(peer, dict):
                 raise api.BadRequest(reason="each peer is an object with address and port")
             api.check_fields(peer, {"address": str, "port": int})
-            client = AgentClient(peer["address"], peer["port"], self.key)
+            client = self.peer(peer["address"], peer["port"])
             dest = Destination(agent=client, libvirt_uri="", migration_uri="")
             links[peer["address"]] = dataclasses.asdict(self.migrations.link(dest))
         busy = {
@@ -140,9 +194,19 @@ class Agent:
         return 200, bytes(mib << 20)
 
     def split_prepare(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
-        api.check_fields(body, {"vm": str, "ram_bytes": int, "budget_bytes": int})
-        result = self.store.prepare(body["vm"], body["ram_bytes"], body["budget_bytes"])
-        self._start_flusher(body["vm"])
+        api.check_fields(
+            body, {"vm": str, "ram_bytes": int, "budget_bytes": int}, {"headroom_bytes": int}
+        )
+        vm = body["vm"]
+        result = self.store.prepare(
+            vm, body["ram_bytes"], body["budget_bytes"], body.get("headroom_bytes")
+        )
+        self._stop_flusher(vm)
+        # The keeper writes the VM's file back and keeps its residency under the budget.
+        stop = threading.Event()
+        self.flush_stops[vm] = stop
+        self.keepers[vm] = ResidencyKeeper(self.store, vm, stop)
+        self.keepers[vm].start()
         return 200, result
 
     def _start_flusher(self, vm: str, lifetime_s: float | None = None) -> None:
@@ -170,6 +234,9 @@ class Agent:
         if stop:
             stop.set()
         flusher = self.flushers.pop(vm, None)
+        keeper = self.keepers.pop(vm, None)
+        if keeper:
+            return keeper.stats["rounds"]
         return flusher.rounds if flusher else 0
 
     def incoming_writeback(
@@ -177,7 +244,7 @@ class Agent:
     ) -> tuple[int, dict[str, Any]]:
         """Keep an incoming VM's memory file written back while it migrates here.
 
-        A split VM's flusher runs for the VM's whole stay and is left alone.
+        A split VM's residency keeper runs for the VM's whole stay and is left alone.
         """
         api.check_fields(body, {"vm": str, "active": bool})
         vm = body["vm"]
@@ -191,10 +258,12 @@ class Agent:
         return 200, {"vm": vm, "writeback": "off", "rounds": self._stop_flusher(vm)}
 
     def mover_receive(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
-        api.check_fields(body, {"migration_id": str, "token": str}, {"streams": int})
-        mid, token, streams = body["migration_id"], body["token"], body.get("streams", 1)
-        if not re.fullmatch(r"[0-9a-f]{6,32}", mid) or not 32 <= len(token) <= 63:
-            raise api.BadRequest(reason="migration_id must be hex, token 32..63 characters")
+        api.check_fields(body, {"migration_id": str, "token_salt": str}, {"streams": int})
+        mid, salt, streams = body["migration_id"], body["token_salt"], body.get("streams", 1)
+        if not re.fullmatch(r"[0-9a-f]{6,32}", mid) or not re.fullmatch(r"[0-9a-f]{32,64}", salt):
+            raise api.BadRequest(reason="migration_id must be hex, token_salt 32..64 hex digits")
+        # The token itself never crosses the network: both ends derive it.
+        token = auth.mover_token(self.key, mid, salt)
         if not 1 <= streams <= movers.MAX_STREAMS:
             raise api.BadRequest(reason=f"streams must be 1..{movers.MAX_STREAMS}")
         if mid in self.receivers:
@@ -228,6 +297,8 @@ class Agent:
             "vm": vm,
             "reservation": self.store.reservation(vm),
             "cgroup": self.store.usage(vm),
+            "cgroup_version": self.store.hierarchy.version,
+            "residency": dict(self.keepers[vm].stats) if vm in self.keepers else None,
         }
 
     # -- offloaded flows across a migration (offload_hook.py) ---------------------
@@ -252,7 +323,7 @@ class Agent:
     def _offload_peer(self, body: dict[str, Any]) -> AgentClient:
         peer = body["dest"]
         api.check_fields(peer, {"address": str, "port": int})
-        return AgentClient(peer["address"], peer["port"], self.key)
+        return self.peer(peer["address"], peer["port"])
 
     def offload_depart(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         api.check_fields(body, {"migration_id": str, "vm": str, "dest": dict})
@@ -279,7 +350,7 @@ class Agent:
 
     def _destination(self, body: dict[str, Any]) -> Destination:
         api.check_fields(body, DEST_FIELDS)
-        client = AgentClient(body["address"], body["port"], self.key)
+        client = self.peer(body["address"], body["port"])
         return Destination(
             agent=client, libvirt_uri=body["libvirt_uri"], migration_uri=body["migration_uri"]
         )
@@ -350,6 +421,21 @@ class Agent:
         return 200, self.migrations.get(m.group("id")).as_dict()
 
 
+def limits(conf: cfg.ConfigOpts) -> listener.Limits:
+    return listener.Limits(
+        socket_timeout=conf.agent.socket_timeout,
+        workers=conf.agent.workers,
+        max_queued=conf.agent.max_queued,
+        max_idle_connections=conf.agent.max_idle_connections,
+    )
+
+
+def tls(conf: cfg.ConfigOpts) -> ssl.SSLContext | None:
+    if not conf.agent.tls_cert_file:
+        return None
+    return listener.server_tls(conf.agent.tls_cert_file, conf.agent.tls_key_file)
+
+
 def main(argv: list[str] | None = None) -> int:
     conf = config.CONF
     try:
@@ -357,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         conf(args, project="flexmig", prog="flexmig-agent")
         # oslo.privsep reads its [privsep_agent] group from the global object.
         cfg.CONF(args, project="flexmig", prog="flexmig-agent", default_config_files=[])
+        config.check_tls(conf)
         agent = Agent(conf)
         privileged.start()
         servers = api.make_servers(
@@ -365,20 +452,23 @@ def main(argv: list[str] | None = None) -> int:
             conf.agent.unix_socket,
             auth.Verifier(agent.key),
             agent.router,
+            limits(conf),
+            tls(conf),
         )
     except (
         cfg.Error,
         exceptions.FlexMigError,
-        OSError,
+        OSError,  # ssl.SSLError too: an unreadable certificate or key
         privsep_daemon.FailedToDropPrivileges,
     ) as exc:
         print(f"flexmig-agent: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    log.setup(conf, "flexmig-agent")
     LOG.info(
-        "listening on %s:%d%s",
+        "listening on %s:%d (%s)%s",
         conf.agent.listen_address,
         conf.agent.port,
+        "TLS" if conf.agent.tls_cert_file else "plain HTTP",
         f" and {conf.agent.unix_socket}" if conf.agent.unix_socket else "",
     )
     for server in servers[1:]:

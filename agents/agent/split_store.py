@@ -3,17 +3,18 @@
 Sequence for an incoming split VM:
 1. the destination agent records a *reservation* (VM name, RAM, budget);
 2. libvirt starts the incoming QEMU and runs the host's qemu hook (``started``,
-   synchronously, before the migration stream is opened); the hook moves that
-   QEMU into a memory cgroup capped at the budget — so every incoming page is
-   charged against the cap from the first one;
-3. guest RAM is a shared mapping of a sparse file in the store: under the cap
-   the kernel writes cold pages back to that file and drops them, while
-   QEMU's own (anonymous) memory has no swap to go to and stays resident;
-4. a flusher writes the file back in 1 MiB-aligned ranges, so the store sees
-   large writes rather than reclaim's page-sized ones (seed 003: page-sized
-   synchronous I/O made migration 4.3x slower, 1 MiB chunks made it equal);
-5. when the VM leaves or is destroyed, libvirt removes the file and the
-   ``release`` hook removes the cgroup and the reservation.
+   synchronously, before the migration stream is opened); the hook caps that
+   QEMU's memory cgroup at the budget (v1 or v2, ``memcg.py``) — so every
+   incoming page is charged against the cap from the first one;
+3. guest RAM is a shared mapping of a sparse file in the store; the agent's
+   residency keeper (``residency.py``) writes it back in 1 MiB-aligned
+   ranges and drops the coldest chunks itself, keeping the charge below the
+   cap with headroom for the final round: the cap is only the safety net
+   (seed 003: page-sized synchronous I/O made migration 4.3x slower, 1 MiB
+   chunks made it equal; reclaim at the cap cost ~250 ms of switchover here);
+4. when the VM leaves or is destroyed, libvirt removes the file and the
+   ``release`` hook removes FlexMig's group (if it made one) and the
+   reservation.
 """
 
 from __future__ import annotations
@@ -23,19 +24,19 @@ import json
 import logging
 import os
 import re
-import socket
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from agents.agent import memcg, residency
 from flexmig import exceptions
 
 LOG = logging.getLogger(__name__)
 _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages, do not wait
-CGROUP_MEMORY = Path("/sys/fs/cgroup/memory")
 CHUNK_BYTES = 1 << 20
 FLUSH_INTERVAL_S = 0.2
 MIN_BUDGET_BYTES = 64 << 20
@@ -48,22 +49,42 @@ def _check_name(vm: str) -> None:
 
 
 class SplitStore:
-    def __init__(self, state_dir: str, store_dir: str, cgroup_parent: str = "flexmig") -> None:
+    def __init__(
+        self,
+        state_dir: str,
+        store_dir: str,
+        cgroup_parent: str = "flexmig",
+        hierarchy: memcg.MemoryHierarchy | None = None,
+    ) -> None:
+        """``hierarchy``: the memory cgroup hierarchy (None: detected when first needed)."""
         self.reservations = Path(state_dir) / "split"
         self.store_dir = Path(store_dir)
         self.cgroup_parent = cgroup_parent
+        self._hierarchy = hierarchy
+
+    @property
+    def hierarchy(self) -> memcg.MemoryHierarchy:
+        if self._hierarchy is None:
+            self._hierarchy = memcg.detect()
+        return self._hierarchy
 
     def cgroup_dir(self, vm: str) -> Path:
-        return CGROUP_MEMORY / self.cgroup_parent / socket.gethostname() / vm
+        """Where the VM is capped: as the hook recorded it, else FlexMig's own group."""
+        res = self.reservation(vm) or {}
+        recorded = res.get("cgroup")
+        return Path(recorded) if recorded else self.hierarchy.own_group(self.cgroup_parent, vm)
 
-    def reservation(self, vm: str) -> dict[str, int] | None:
+    def reservation(self, vm: str) -> dict[str, Any] | None:
         _check_name(vm)
         try:
             return json.loads((self.reservations / f"{vm}.json").read_text())
         except FileNotFoundError:
             return None
 
-    def prepare(self, vm: str, ram_bytes: int, budget_bytes: int) -> dict[str, object]:
+    def prepare(
+        self, vm: str, ram_bytes: int, budget_bytes: int, headroom_bytes: int | None = None
+    ) -> dict[str, object]:
+        """Reserve; ``headroom_bytes``: kept free under the cap for the final round."""
         _check_name(vm)
         if not MIN_BUDGET_BYTES <= budget_bytes <= ram_bytes:
             raise exceptions.InvalidInput(
@@ -71,6 +92,12 @@ class SplitStore:
                 reason=(
                     f"{budget_bytes} bytes not in {MIN_BUDGET_BYTES}..{ram_bytes} (the VM's RAM)"
                 ),
+            )
+        headroom = default_headroom(budget_bytes) if headroom_bytes is None else headroom_bytes
+        if not 0 <= headroom <= budget_bytes // 2:
+            raise exceptions.InvalidInput(
+                what="split headroom",
+                reason=f"{headroom} bytes not in 0..{budget_bytes // 2} (half the budget)",
             )
         st = os.statvfs(self.store_dir)
         if st.f_bavail * st.f_frsize < ram_bytes:
@@ -81,16 +108,21 @@ class SplitStore:
                     f"needs {ram_bytes >> 20} MiB"
                 ),
             )
-        if not (CGROUP_MEMORY / "memory.limit_in_bytes").exists():
-            raise exceptions.MissingPrerequisite(
-                what="the cgroup-v1 memory controller", hint=f"mount it at {CGROUP_MEMORY}"
-            )
+        hierarchy = self.hierarchy  # refuses here, before anything is recorded
+        data = {"ram_bytes": ram_bytes, "budget_bytes": budget_bytes, "headroom_bytes": headroom}
+        self._write_reservation(vm, data)
+        return {
+            "vm": vm,
+            **data,
+            "cgroup": str(self.cgroup_dir(vm)),
+            "cgroup_version": hierarchy.version,
+        }
+
+    def _write_reservation(self, vm: str, data: dict[str, Any]) -> None:
         self.reservations.mkdir(parents=True, exist_ok=True)
-        data = {"ram_bytes": ram_bytes, "budget_bytes": budget_bytes}
         tmp = self.reservations / f".{vm}.tmp"
         tmp.write_text(json.dumps(data))
         tmp.replace(self.reservations / f"{vm}.json")
-        return {"vm": vm, **data, "cgroup": str(self.cgroup_dir(vm))}
 
     def memory_file(self, vm: str) -> str | None:
         """The VM's memory file libvirt made under the store (…/libvirt/qemu/<id>-<vm>/)."""
@@ -101,14 +133,12 @@ class SplitStore:
         return None
 
     def cap_process(self, vm: str, pid: int) -> None:
-        """Move the VM's QEMU into its capped group (run by the libvirt hook)."""
+        """Cap the VM's QEMU at its budget (run by the libvirt hook) and record where."""
         res = self.reservation(vm)
         if res is None:
             return
-        group = self.cgroup_dir(vm)
-        group.mkdir(parents=True, exist_ok=True)
-        (group / "memory.limit_in_bytes").write_text(str(res["budget_bytes"]))
-        (group / "cgroup.procs").write_text(str(pid))
+        group = memcg.cap(self.hierarchy, self.cgroup_parent, vm, pid, res["budget_bytes"])
+        self._write_reservation(vm, res | {"cgroup": str(group)})
 
     def cleanup(self, vm: str, remove_cgroup: Callable[[str, str], None] | None = None) -> None:
         """Drop the reservation and the VM's group (the agent passes its privileged remover)."""
@@ -117,25 +147,19 @@ class SplitStore:
         (remove_cgroup or self._remove_cgroup)(self.cgroup_parent, vm)
 
     def _remove_cgroup(self, cgroup_parent: str, vm: str) -> None:
-        group = CGROUP_MEMORY / cgroup_parent / socket.gethostname() / vm
-        if group.exists():
-            try:
-                group.rmdir()
-            except OSError as exc:
-                raise exceptions.FlexMigError(
-                    f"cgroup {group} still has processes; the VM is running: {exc}"
-                ) from exc
+        memcg.remove_own_group(self.hierarchy, cgroup_parent, vm)
 
-    def usage(self, vm: str) -> dict[str, int] | None:
-        group = self.cgroup_dir(vm)
-        if not group.exists():
-            return None
-        read = lambda name: int((group / name).read_text())  # noqa: E731
-        return {
-            "usage_bytes": read("memory.usage_in_bytes"),
-            "limit_bytes": read("memory.limit_in_bytes"),
-            "max_usage_bytes": read("memory.max_usage_in_bytes"),
-        }
+    def usage(self, vm: str) -> dict[str, int | None] | None:
+        return memcg.usage(self.hierarchy, self.cgroup_dir(vm))
+
+
+def default_headroom(budget_bytes: int) -> int:
+    """Headroom when the source names none: an eighth of the budget, at least 16 MiB.
+
+    >>> default_headroom(240 << 20) >> 20
+    30
+    """
+    return min(budget_bytes // 2, max(16 << 20, budget_bytes // 8))
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
@@ -185,3 +209,96 @@ class ChunkFlusher(threading.Thread):
 
     def _expired(self) -> bool:
         return self.deadline is not None and time.monotonic() > self.deadline
+
+
+KEEPER_INTERVAL_S = 0.1
+KEEPER_FIND_TIMEOUT_S = 120.0  # how long an incoming QEMU may take to appear
+LIBVIRT_PID_DIR = Path("/run/libvirt/qemu")
+
+
+class ResidencyKeeper(threading.Thread):
+    """Keeps a split VM's charge under its cap by writing back and dropping cold chunks.
+
+    Runs from the reservation until the VM's memory file is gone (the VM
+    left) or it is told to stop; ``stats`` is what the status API reports.
+    """
+
+    def __init__(self, store: SplitStore, vm: str, stop: threading.Event) -> None:
+        super().__init__(name=f"residency-{vm}", daemon=True)
+        self.store, self.vm, self.stop_event = store, vm, stop
+        self.stats: dict[str, Any] = {
+            "state": "waiting for QEMU",
+            "samples": 0,
+            "max_charge_bytes": 0,
+            "max_guest_resident_bytes": 0,
+            "dropped_bytes": 0,
+            "drops": 0,
+            "rounds": 0,
+        }
+
+    def run(self) -> None:
+        try:
+            found = self._wait_for_qemu()
+            if found is not None:
+                self._keep(*found)
+        except (OSError, LookupError, ValueError, exceptions.FlexMigError) as exc:
+            self.stats["state"] = f"stopped: {exc}"
+            LOG.warning("residency keeper for %s stopped: %s", self.vm, exc)
+
+    def _wait_for_qemu(self) -> tuple[residency.GuestRam, dict[str, Any]] | None:
+        deadline = time.monotonic() + KEEPER_FIND_TIMEOUT_S
+        while not self.stop_event.wait(0.02):
+            res = self.store.reservation(self.vm)
+            path = self.store.memory_file(self.vm)
+            pid_file = LIBVIRT_PID_DIR / f"{self.vm}.pid"
+            if res and res.get("cgroup") and path and pid_file.exists():
+                ram = residency.GuestRam.find(int(pid_file.read_text()), res["ram_bytes"])
+                return ram, res
+            if time.monotonic() > deadline:
+                raise exceptions.Timeout(seconds=KEEPER_FIND_TIMEOUT_S, what=f"{self.vm}'s QEMU")
+        return None
+
+    def _keep(self, ram: residency.GuestRam, res: dict[str, Any]) -> None:
+        target = residency.target_bytes(res["budget_bytes"], res["headroom_bytes"])
+        self.stats |= {"state": "keeping", "target_bytes": target, "pid": ram.pid}
+        fds = [os.open(ram.path, os.O_RDONLY), os.pidfd_open(ram.pid)]
+        fds += [os.open(f"/proc/{ram.pid}/pagemap", os.O_RDONLY)]
+        fds += [os.open("/proc/kpageflags", os.O_RDONLY)]
+        ages, dropped = [0] * ram.chunks, set[int]()
+        try:
+            while not self.stop_event.wait(KEEPER_INTERVAL_S):
+                if os.fstat(fds[0]).st_nlink == 0:
+                    self.stats["state"] = "VM left"
+                    return
+                ages = self._step(ram, fds, target, ages, dropped)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def _step(
+        self, ram: residency.GuestRam, fds: list[int], target: int, ages: list[int], dropped: set
+    ) -> list[int]:
+        file_fd, pidfd, pagemap_fd, kpf_fd = fds
+        scan = ram.scan(pagemap_fd, kpf_fd)
+        back = {c for c in dropped if scan.resident[c]}
+        dropped -= back
+        ages = residency.age(ages, scan.dirty | back)
+        resident = [c for c, pages in enumerate(scan.resident) if pages]
+        ram.write_back(file_fd, resident, wait=False)
+        charge = (self.store.usage(self.vm) or {}).get("usage_bytes") or 0
+        self._sample(charge, sum(scan.resident) * residency.PAGE)
+        if charge > target:
+            victims = residency.coldest(scan.resident, ages, (charge - target) // residency.PAGE)
+            ram.write_back(file_fd, victims, wait=True)
+            self.stats["dropped_bytes"] += ram.page_out(pidfd, victims)
+            self.stats["drops"] += 1
+            dropped.update(victims)
+        self.stats["rounds"] += 1
+        return ages
+
+    def _sample(self, charge: int, guest_resident: int) -> None:
+        s = self.stats
+        s["samples"] += 1
+        s["charge_bytes"], s["guest_resident_bytes"] = charge, guest_resident
+        s["max_charge_bytes"] = max(s["max_charge_bytes"], charge)
+        s["max_guest_resident_bytes"] = max(s["max_guest_resident_bytes"], guest_resident)

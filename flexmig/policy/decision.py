@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from flexmig import exceptions
-from flexmig.policy import precopy
+from flexmig.policy import precopy, split
 from flexmig.policy.dirty_model import DirtyModel
 
 MODES = ("auto", "precopy", "postcopy", "split")
@@ -24,6 +24,11 @@ MIB = 2**20
 # QEMU's own memory besides guest RAM (device state, TCG buffers, libs);
 # it must stay resident on the destination whatever the mode.
 QEMU_OVERHEAD_BYTES = 160 * MIB
+# What of QEMU's own memory is charged to the capped group (TCG buffers,
+# device state, libraries touched): measured on the lab's QEMU 10 guests.
+QEMU_CHARGED_BYTES = 64 * MIB
+# A store's write bandwidth before its agent has measured one (a SATA SSD).
+DEFAULT_STORE_WRITE_BPS = 400.0 * MIB
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +51,11 @@ class MigrationInputs:
     switchover_s: float = 0.05
     round_overhead_s: float = 0.0
     setup_s: float = 0.0
+    # The destination's split store: its write bandwidth in 1 MiB chunks (0:
+    # not measured, DEFAULT_STORE_WRITE_BPS assumed) and which memory cgroup
+    # caps split VMs there (its agent's description).
+    dest_store_write_bps: float = 0.0
+    dest_memory_cgroup: str = ""
 
     def transfer(self) -> precopy.Transfer:
         return precopy.Transfer(
@@ -69,6 +79,7 @@ class Decision:
     postcopy_after_round: int | None
     auto_converge: bool
     memory_budget_bytes: int | None  # split: resident cap on the destination
+    headroom_bytes: int | None  # split: kept free under the cap for the final round
     prediction: precopy.Prediction
     alternatives: dict[str, str]  # other modes: their prediction or why not
     reasons: tuple[str, ...]
@@ -258,6 +269,11 @@ def _parameters(
                 "total time: it is used instead of the full budget"
             )
     budget = split_budget(inp.ram_bytes, inp.dest_free_bytes) if mode == "split" else None
+    headroom = None
+    if budget is not None:
+        prediction, headroom = _split_costs(inp, prediction, budget, reasons)
+    elif inp.dest_memory_cgroup:
+        reasons.append(f"the destination would cap a split VM with {inp.dest_memory_cgroup}")
     return Decision(
         vm=inp.vm,
         ram_bytes=inp.ram_bytes,
@@ -267,7 +283,27 @@ def _parameters(
         postcopy_after_round=switch if transfer == "postcopy" else None,
         auto_converge=transfer == "precopy" and not pre.converged,
         memory_budget_bytes=budget,
+        headroom_bytes=headroom,
         prediction=prediction,
         alternatives={k: v for k, v in alternatives.items() if k != mode},
         reasons=tuple(reasons),
     )
+
+
+def _split_costs(
+    inp: MigrationInputs, pre: precopy.Prediction, budget: int, reasons: list[str]
+) -> tuple[precopy.Prediction, int]:
+    """Split's prediction (its own costs on top of the precopy) and the keeper's headroom."""
+    write_bps = inp.dest_store_write_bps or DEFAULT_STORE_WRITE_BPS
+    xfer = inp.transfer()
+    prediction = split.predict(pre, xfer, split.StoreFacts(budget, write_bps, QEMU_CHARGED_BYTES))
+    final_bytes = max(0.0, (pre.downtime_s - xfer.switchover_s) * xfer.bandwidth_bps)
+    headroom = split.headroom_bytes(final_bytes, xfer.bandwidth_bps, budget)
+    measured = "measured" if inp.dest_store_write_bps else "assumed, not measured"
+    reasons.append(
+        f"the destination keeps {budget // MIB} MiB resident ({headroom // MIB} MiB of it "
+        f"free for the final round) and writes the rest to its store at "
+        f"{write_bps / MIB:,.0f} MiB/s ({measured})"
+        + (f"; capped by {inp.dest_memory_cgroup}" if inp.dest_memory_cgroup else "")
+    )
+    return prediction, headroom

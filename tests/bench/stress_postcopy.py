@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flexmig import migrate_cli
+from flexmig import exceptions, migrate_cli
 from flexmig_lab import vm
 from flexmig_lab.lab import Lab
 
@@ -91,7 +91,10 @@ def one_run(lab: Lab, index: int, transport: str, hang_after: float, dump_dir: P
     try:
         record = outcome["record"]
         landed = lab.vm_host(name)
-        check = lab.guest(name).verify() if landed else {}  # type: ignore[union-attr]
+        try:
+            check = lab.guest(name).verify() if landed else {}  # type: ignore[union-attr]
+        except exceptions.FlexMigError as exc:  # a guest that cannot say is a bad run
+            check = {"error": str(exc)}
         ok = record["state"] == "completed" and check.get("bad") == 0 == check.get("lost")
         events = "; ".join(text for _ts, text in record["events"][3:])
         print(

@@ -44,6 +44,14 @@ case "$1" in
     *) exit 2 ;;
 esac
 """
+SYSTEMCTL_STUB = """#!/bin/bash
+# systemctl for the stand-in: the calls the plugin makes succeed (sudo logs them).
+case "$1" in
+    daemon-reload) exit 0 ;;
+    restart) [[ $2 == *.slice || $2 == *.service ]] || exit 1 ;;
+    *) exit 2 ;;
+esac
+"""
 DRIVER = """set -o errexit -o nounset
 source "$STANDIN_FUNCTIONS"
 eval "$STANDIN_LOCALRC"
@@ -124,6 +132,9 @@ def make_stack(tmp_path: Path) -> Stack:
     bin_dir.mkdir()
     (bin_dir / "sysctl").write_text(SYSCTL_STUB)
     (bin_dir / "sysctl").chmod(0o755)
+    (bin_dir / "systemctl").write_text(SYSTEMCTL_STUB)
+    (bin_dir / "systemctl").chmod(0o755)
+    (tmp_path / "sys" / "fs" / "cgroup").mkdir(parents=True)  # v1 layout: no cgroup.controllers
     state = tmp_path / "state"
     state.mkdir()
     (state / "vm.unprivileged_userfaultfd").write_text("0\n")
@@ -152,5 +163,9 @@ def make_stack(tmp_path: Path) -> Stack:
             tmp_path / "etc" / "libvirt" / "hooks" / "qemu.d" / "50-flexmig"
         ),
         "FLEXMIG_SYSCTL_FILE": str(tmp_path / "etc" / "sysctl.d" / "60-flexmig.conf"),
+        "FLEXMIG_CGROUP_ROOT": str(tmp_path / "sys" / "fs" / "cgroup"),
+        "FLEXMIG_MACHINE_SLICE_DROPIN": str(
+            tmp_path / "etc" / "systemd" / "system" / "machine.slice.d" / "50-flexmig.conf"
+        ),
     }
     return Stack(tmp_path, env)

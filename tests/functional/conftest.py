@@ -13,7 +13,7 @@ from flexmig import exceptions
 from flexmig_lab import image, topology
 from flexmig_lab.lab import Lab
 
-LAB_PROCESSES = r"qemu-system|ovs-vswitchd|ovsdb-server|libvirtd|virtlogd|flexmig\.lab\.recorder"
+LAB_PROCESSES = r"qemu-system|ovs-vswitchd|ovsdb-server|libvirtd|virtlogd|flexmig_lab\.recorder"
 
 
 def lab_missing_reason() -> str | None:

@@ -70,7 +70,7 @@ def test_install_installs_flexmig_and_builds_the_mover_and_writes_no_config(stac
 def test_post_config_points_nova_at_flexmig_with_every_option(stack):
     stack.run("stack:install", "stack:post-config")
     nova = ini(stack.path("NOVA_CONF"))
-    assert nova["DEFAULT"]["compute_driver"] == "nova_driver.driver.FlexMigLibvirtDriver"
+    assert nova["DEFAULT"]["compute_driver"] == "flexmig.FlexMigLibvirtDriver"
     assert dict(nova["flexmig"]) == {
         "agent_port": "9797",
         "agent_key_file": str(conf_dir(stack) / "agent.key"),
@@ -133,6 +133,8 @@ def test_post_config_writes_an_agent_config_the_agent_accepts(stack):
     assert conf.agent.memory_budget_mb == 0
     assert conf.agent.cgroup_parent == "flexmig"
     assert conf.agent.libvirt_uri == "qemu:///system"
+    # Nova drives migrations under DevStack: the agent's own orchestration is off.
+    assert conf.agent.allow_orchestration is False
 
 
 def test_generated_key_is_private_to_the_stack_user_and_generated_once(stack):
@@ -177,6 +179,33 @@ def test_split_configures_libvirt_and_the_hook(stack):
     assert f'exec {sys.executable} -m agents.agent.libvirt_hook "$@"' in text
     assert Path(store).is_dir()
     assert stack.calls("restart_service") == [["libvirtd"]]
+
+
+def test_split_on_cgroup_v1_leaves_systemd_alone(stack):
+    stack.run("stack:install", "stack:post-config")
+    assert not stack.path("FLEXMIG_MACHINE_SLICE_DROPIN").exists()
+    assert not [c for c in stack.calls("sudo") if c[0] == "systemctl"]
+
+
+def test_split_on_cgroup_v2_gives_the_machine_slice_the_memory_controller(stack):
+    (stack.path("FLEXMIG_CGROUP_ROOT") / "cgroup.controllers").write_text("cpu io memory pids\n")
+    before = stack.snapshot()
+    stack.run("stack:install", "stack:post-config")
+    dropin = stack.path("FLEXMIG_MACHINE_SLICE_DROPIN").read_text()
+    assert "[Slice]\nMemoryAccounting=yes\n" in dropin
+    systemctl = [c for c in stack.calls("sudo") if c[0] == "systemctl"]
+    assert systemctl == [["systemctl", "daemon-reload"], ["systemctl", "restart", "machine.slice"]]
+    stack.run("clean:")
+    assert not stack.path("FLEXMIG_MACHINE_SLICE_DROPIN").exists()
+    after = stack.snapshot()
+    assert {k for k in after if "machine.slice" in k} == {k for k in before if "machine.slice" in k}
+
+
+def test_split_on_cgroup_v2_without_memory_fails_naming_it(stack):
+    (stack.path("FLEXMIG_CGROUP_ROOT") / "cgroup.controllers").write_text("cpu io pids\n")
+    proc = stack.run("stack:install", "stack:post-config", check=False)
+    assert proc.returncode != 0
+    assert "cgroup-v2 memory controller" in proc.stdout + proc.stderr
 
 
 def test_postcopy_allows_unprivileged_userfaultfd(stack):

@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -165,3 +166,51 @@ def test_fit_never_exceeds_the_vms_pages():
     model = dirty_model.fit(samples, max_pages=131072)
     assert model.m_pages <= 131072
     assert model.pages(1) == pytest.approx(4800, rel=0.05)
+
+
+def test_split_prediction_pays_for_a_slow_store_and_a_small_budget():
+    fast = decide(_inputs(dest_free_bytes=500 * MIB, dest_store_write_bps=2000 * MIB))
+    slow = decide(_inputs(dest_free_bytes=500 * MIB, dest_store_write_bps=20 * MIB))
+    small = decide(_inputs(dest_free_bytes=260 * MIB, dest_store_write_bps=20 * MIB))
+    precopy_only = decide(_inputs(), "precopy").prediction
+    assert fast.mode == slow.mode == small.mode == "split"
+    assert fast.prediction.total_time_s == pytest.approx(precopy_only.total_time_s, rel=0.05)
+    assert slow.prediction.total_time_s > fast.prediction.total_time_s
+    assert small.prediction.total_time_s > slow.prediction.total_time_s  # more spills
+    assert slow.prediction.downtime_s > fast.prediction.downtime_s  # the switchover msync
+    assert 0 < small.headroom_bytes <= small.memory_budget_bytes // 2
+
+
+def test_split_explain_names_the_store_and_the_cgroup():
+    d = decide(
+        _inputs(
+            dest_free_bytes=400 * MIB,
+            dest_store_write_bps=300 * MIB,
+            dest_memory_cgroup="cgroup v2 (unified hierarchy at /sys/fs/cgroup, memory.max)",
+        )
+    )
+    text = d.explain()
+    assert "300 MiB/s (measured)" in text and "cgroup v2" in text
+    assert f"{d.headroom_bytes // MIB} MiB of it free for the final round" in text
+    fits = decide(_inputs(dest_memory_cgroup="cgroup v1 (memory controller at /m)")).explain()
+    assert "would cap a split VM with cgroup v1" in fits
+    unmeasured = decide(_inputs(dest_free_bytes=400 * MIB)).explain()
+    assert "assumed, not measured" in unmeasured
+
+
+def test_a_final_round_larger_than_the_headroom_waits_on_reclaim():
+    from flexmig.policy import split
+
+    xfer = precopy.Transfer(
+        ram_pages=131072, resident_pages=131072, page_size=4096,
+        bandwidth_bps=100 * MIB, switchover_s=0.05,
+    )  # fmt: skip
+    small_final = precopy.Prediction("precopy", (), True, "", 6.0, 600 * MIB, 0.06, 0)
+    big_final = dataclasses.replace(small_final, downtime_s=1.05)  # 100 MiB final round
+    store = split.StoreFacts(budget_bytes=100 * MIB, write_bps=200 * MIB, qemu_own_bytes=0)
+    within = split.predict(small_final, xfer, store)
+    beyond = split.predict(big_final, xfer, store)
+    headroom = split.headroom_bytes(100 * MIB, 100 * MIB, 100 * MIB)
+    reclaim_s = (100 * MIB - headroom) * split.PAGE_WRITE_SLOWDOWN / (200 * MIB)
+    extra = beyond.downtime_s - big_final.downtime_s - (within.downtime_s - small_final.downtime_s)
+    assert extra > reclaim_s  # the overflow waits on reclaim

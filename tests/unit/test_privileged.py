@@ -4,15 +4,16 @@ import socket
 
 import pytest
 
-from agents.agent import privileged
+from agents.agent import memcg, privileged
 from flexmig import exceptions
 
 
-@pytest.fixture
-def in_process(monkeypatch, tmp_path):
-    """Run entry points in this process (no daemon), against a fake cgroup tree."""
+@pytest.fixture(params=[1, 2])
+def in_process(monkeypatch, tmp_path, request):
+    """Run entry points in this process (no daemon), against a fake cgroup tree (v1, v2)."""
     privileged.agent_pctxt.set_client_mode(False)
-    monkeypatch.setattr(privileged, "CGROUP_MEMORY", tmp_path)
+    hierarchy = memcg.MemoryHierarchy(request.param, tmp_path)
+    monkeypatch.setattr(privileged, "memory_hierarchy", lambda: hierarchy)
     monkeypatch.setattr(privileged, "LIBVIRT_PID_DIR", tmp_path / "pids")
     yield tmp_path
     privileged.agent_pctxt.set_client_mode(True)

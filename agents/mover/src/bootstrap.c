@@ -20,16 +20,6 @@
 
 #define ACCEPT_TIMEOUT_FACTOR 6
 
-static int tokens_equal(const char *a, const char *b)
-{
-	unsigned char diff = 0;
-	int i;
-
-	for (i = 0; i < FM_TOKEN_LEN; i++)
-		diff |= (unsigned char)(a[i] ^ b[i]);
-	return diff == 0;
-}
-
 static void keepalive(int fd, int timeout_s)
 {
 	int on = 1, idle = timeout_s, intvl = 1, cnt = 3;
@@ -93,12 +83,11 @@ static int sender_bootstrap(struct fm_session *s, const char *token)
 		ret = fm_oob_recv_all(s->oob_fd, &w, sizeof(w), c->timeout_s * 1000);
 	if (ret)
 		return ret;
-	if (w.magic != FM_MAGIC || w.version != FM_VERSION) {
+	ret = fm_welcome_check(&w);
+	if (ret == -EACCES)
 		fprintf(stderr, "mover: the receiver refused our credential\n");
-		return -EACCES;
-	}
-	if (w.slots == 0 || w.slot_size == 0 || w.addr_len > sizeof(w.addr))
-		return -EPROTO;
+	if (ret)
+		return ret;
 	s->ring_addr = w.ring_addr;
 	s->ring_key = w.ring_key;
 	s->slot_size = w.slot_size;
@@ -142,10 +131,12 @@ static int receiver_bootstrap(struct fm_session *s, const char *token)
 	ret = fm_oob_recv_all(s->oob_fd, &h, sizeof(h), c->timeout_s * 1000);
 	if (ret)
 		return ret;
-	if (h.magic != FM_MAGIC || h.version != FM_VERSION || !tokens_equal(h.token, token)) {
-		fm_write_all(s->oob_fd, &w, sizeof(w));
-		fprintf(stderr, "mover: the peer presented a wrong or no credential\n");
-		return -EACCES;
+	ret = fm_hello_check(&h, token);
+	if (ret) {
+		fm_write_all(s->oob_fd, &w, sizeof(w)); /* magic 0: refused */
+		if (ret == -EACCES)
+			fprintf(stderr, "mover: the peer presented a wrong or no credential\n");
+		return ret;
 	}
 	s->slot_size = c->batch_kib * 1024;
 	ret = fm_fabric_set_peer(&s->fab, h.addr, h.addr_len);

@@ -56,4 +56,15 @@ struct fm_msg {
 /* 0 if @msg (of @got bytes) is well formed for a ring of @slots x @slot_size, else -EPROTO. */
 int fm_msg_check(const struct fm_msg *msg, size_t got, uint32_t slots, uint32_t slot_size);
 
+/* 0 if constant-time equal over FM_TOKEN_LEN bytes. */
+int fm_token_check(const char *presented, const char *expected);
+
+/*
+ * The bootstrap messages as they arrive from the socket: 0 if usable,
+ * -EACCES for a wrong magic, version or credential, -EPROTO for a field out of
+ * range (an address longer than its buffer, an empty ring).
+ */
+int fm_hello_check(const struct fm_hello *h, const char *token);
+int fm_welcome_check(const struct fm_welcome *w);
+
 #endif

@@ -20,6 +20,12 @@ DEFAULT_BUDGET_MB = 4096
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory") / topology.cgroup_parent()
 
 
+def inventory(config_files: list[str]) -> Lab:
+    """The ``lab`` inventory (entry point): the lab's state says everything."""
+    del config_files  # the lab needs none
+    return Lab()
+
+
 def lab_dir() -> Path:
     return Path(os.environ.get("FLEXMIG_LAB_DIR", DEFAULT_LAB_DIR))
 
@@ -108,6 +114,9 @@ class Lab:
     # -- the inventory ``flexmig explain``/``migrate``/``drain`` use (flexmig.migrate_cli) --
     def host_names(self) -> list[str]:
         return [spec.name for spec in self.specs]
+
+    def domain(self, vm: str) -> str:
+        return vm  # lab VMs are named by their domain name
 
     def vm_host(self, vm: str) -> str | None:
         from flexmig_lab.vm import LabVM  # vm builds on Lab

@@ -1,0 +1,212 @@
+"""Keeping an incoming split VM's resident memory under its budget, ahead of need.
+
+Without this, the memory cgroup's cap is the mechanism: the VM's memory fills
+the cap, and from then on every page QEMU writes (the incoming stream, the
+final round inside the downtime) waits for memcg reclaim, which waits for
+writeback of page-sized pieces.  The lab measured 232-258 ms of the
+switchover spent exactly there (docs/benchmarks/switchover.md).
+
+The keeper does what seed 003 (VMemDirect) does on its own: it decides where
+each page lives.  Every INTERVAL_S it
+
+1. reads QEMU's page map of the guest-RAM mapping: which pages are resident,
+   and for a sample of them (``/proc/kpageflags``) whether they were written
+   since the last writeback;
+2. ages every 1 MiB chunk with 8 bits, like seed 003's per-page history (a
+   bit per interval, shifted right): a chunk is *referenced* in an interval
+   when a sampled page of it is dirty again after being written back, or
+   when it is resident again after the keeper dropped it (the guest or the
+   stream touched it);
+3. starts writeback of every dirty chunk in 1 MiB-aligned ranges (the store
+   sees large writes, not reclaim's 4 KiB ones: 4.3x slower in seed 003);
+4. when the cgroup's charge is above its target (the cap minus headroom for
+   the final round), waits for the coldest resident chunks' writeback and
+   drops them with ``process_madvise(MADV_PAGEOUT)``: clean file pages are
+   simply unmapped and freed, no I/O inside QEMU's faults.
+
+Why "written since the last writeback" is the evidence of hotness here: the
+destination sees the guest only through what arrives. A page the source sends
+again in a later round is one the guest rewrote: the rewritten set is what the
+source's dirty-rate model calls hot, and what the guest will touch first after
+switchover.  After switchover the guest's own writes feed the same bit.
+Reads leave no trace this kernel exposes (no soft-dirty, no idle-page
+tracking on this build), except a dropped chunk coming back, which is counted.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import dataclasses
+import os
+from collections.abc import Iterable, Sequence
+
+PAGE = 4096
+CHUNK_BYTES = 1 << 20
+CHUNK_PAGES = CHUNK_BYTES // PAGE
+AGE_BITS = 8
+HOT_BIT = 1 << (AGE_BITS - 1)
+SAMPLES_PER_CHUNK = 8
+PM_PRESENT = 1 << 63
+PM_PFN_MASK = (1 << 55) - 1
+KPF_DIRTY = 1 << 4
+MADV_PAGEOUT = 21
+SYS_PROCESS_MADVISE = 440  # x86_64 and arm64 share the generic number
+IOV_MAX = 1024
+SYNC_FILE_RANGE_WAIT_BEFORE = 1
+SYNC_FILE_RANGE_WRITE = 2
+SYNC_FILE_RANGE_WAIT_AFTER = 4
+
+_PRESENT_TABLE = bytes(1 if b & 0x80 else 0 for b in range(256))
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+# -- decisions (pure) -----------------------------------------------------
+
+
+def age(ages: Sequence[int], referenced: Iterable[int]) -> list[int]:
+    """One aging step: shift every chunk's history right, set the top bit if referenced.
+
+    >>> age([0, 0x80, 0xFF], [0])
+    [128, 64, 127]
+    """
+    out = [a >> 1 for a in ages]
+    for chunk in referenced:
+        out[chunk] |= HOT_BIT
+    return out
+
+
+def target_bytes(limit_bytes: int, headroom_bytes: int) -> int:
+    """What the cgroup's charge is kept at: the cap less headroom for the final round.
+
+    >>> target_bytes(240 << 20, 48 << 20) >> 20
+    192
+    >>> target_bytes(64 << 20, 100 << 20) >> 20
+    32
+    """
+    return max(limit_bytes // 2, limit_bytes - headroom_bytes)
+
+
+def coldest(resident: Sequence[int], ages: Sequence[int], excess_pages: int) -> list[int]:
+    """Resident chunks to drop, coldest first, until ``excess_pages`` would be freed.
+
+    Ties go to the chunk with more resident pages (more freed per call).
+
+    >>> coldest([256, 256, 10, 0], [0x80, 0, 0, 0], 300)
+    [1, 2, 0]
+    >>> coldest([256, 256], [0, 0], 0)
+    []
+    """
+    order = sorted(
+        (i for i, pages in enumerate(resident) if pages), key=lambda i: (ages[i], -resident[i])
+    )
+    chosen, freed = [], 0
+    for chunk in order:
+        if freed >= excess_pages:
+            break
+        chosen.append(chunk)
+        freed += resident[chunk]
+    return chosen
+
+
+def ranges(chunks: Iterable[int]) -> list[tuple[int, int]]:
+    """Adjacent chunks merged into (first chunk, count) runs, for fewer system calls.
+
+    >>> ranges([5, 1, 2, 3, 9])
+    [(1, 3), (5, 1), (9, 1)]
+    """
+    runs: list[tuple[int, int]] = []
+    for chunk in sorted(chunks):
+        if runs and runs[-1][0] + runs[-1][1] == chunk:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((chunk, 1))
+    return runs
+
+
+@dataclasses.dataclass
+class ChunkScan:
+    resident: list[int]  # resident pages per chunk
+    dirty: set[int]  # chunks with a sampled page written since its writeback
+
+
+# -- the QEMU process (I/O) -----------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class GuestRam:
+    """QEMU's shared mapping of a VM's memory file, seen from outside QEMU."""
+
+    pid: int
+    address: int
+    size: int
+    path: str
+
+    @classmethod
+    def find(cls, pid: int, size: int) -> GuestRam:
+        """The mapping of exactly ``size`` bytes backed by a file (guest RAM)."""
+        with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                if end - start == size and len(fields) >= 6 and fields[5].startswith("/"):
+                    return cls(pid, start, size, fields[5])
+        raise LookupError(f"QEMU pid {pid} has no {size >> 20} MiB file mapping")
+
+    @property
+    def chunks(self) -> int:
+        return (self.size + CHUNK_BYTES - 1) // CHUNK_BYTES
+
+    def scan(self, pagemap_fd: int, kpageflags_fd: int) -> ChunkScan:
+        raw = os.pread(pagemap_fd, self.size // PAGE * 8, self.address // PAGE * 8)
+        entries = array.array("Q", raw)
+        # The present bit is the top bit of each entry's last byte: counted in C.
+        present = raw[7::8].translate(_PRESENT_TABLE)
+        resident, dirty = [], set()
+        step = CHUNK_PAGES // SAMPLES_PER_CHUNK
+        for chunk in range(self.chunks):
+            resident.append(present.count(1, chunk * CHUNK_PAGES, (chunk + 1) * CHUNK_PAGES))
+            if not resident[-1]:
+                continue
+            for e in entries[chunk * CHUNK_PAGES : (chunk + 1) * CHUNK_PAGES : step]:
+                pfn = e & PM_PFN_MASK
+                if e & PM_PRESENT and pfn:
+                    flags = int.from_bytes(os.pread(kpageflags_fd, 8, pfn * 8), "little")
+                    if flags & KPF_DIRTY:
+                        dirty.add(chunk)
+                        break
+        return ChunkScan(resident, dirty)
+
+    def write_back(self, fd: int, chunks: Iterable[int], wait: bool) -> None:
+        """Write chunk ranges of the file back; ``wait``: until they are clean."""
+        flags = SYNC_FILE_RANGE_WRITE
+        if wait:
+            flags |= SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WAIT_AFTER
+        for first, count in ranges(chunks):
+            if _LIBC.sync_file_range(fd, first * CHUNK_BYTES, count * CHUNK_BYTES, flags):
+                err = ctypes.get_errno()
+                raise OSError(err, f"sync_file_range: {os.strerror(err)}")
+
+    def page_out(self, pidfd: int, chunks: Iterable[int]) -> int:
+        """Drop chunks from QEMU's memory (they must be clean); bytes the kernel took."""
+        runs = ranges(chunks)
+        done = 0
+        for at in range(0, len(runs), IOV_MAX):
+            batch = runs[at : at + IOV_MAX]
+            iov = (_IoVec * len(batch))(
+                *(
+                    _IoVec(self.address + first * CHUNK_BYTES, count * CHUNK_BYTES)
+                    for first, count in batch
+                )
+            )
+            n = _LIBC.syscall(SYS_PROCESS_MADVISE, pidfd, iov, len(batch), MADV_PAGEOUT, 0)
+            if n < 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"process_madvise(MADV_PAGEOUT): {os.strerror(err)}")
+            done += n
+        return done

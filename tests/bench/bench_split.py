@@ -1,0 +1,227 @@
+"""Split migration vs enough RAM vs conventional swap, side by side in one run.
+
+    .venv/bin/python -m tests.bench.bench_split [--repeat N] [--out FILE]
+
+One 512 MiB file-backed TCG guest dirtying a 200 MiB working set, migrated
+A->B over the same path with the stream capped at BANDWIDTH_MIB, to:
+
+- enough: B offers 4 GiB (FlexMig picks precopy);
+- split-75/50/35: B offers the VM's RAM x 75/50/35 % plus QEMU's own, so
+  FlexMig picks split with that resident budget;
+- swap-50: the conventional way: an anonymous-memory guest, B's QEMU capped
+  at the split-50 budget by the same cgroup, a host swap file.
+
+Per run: total time, guest-observed downtime (longest heartbeat gap),
+bad + lost pages (the guest's verify), the largest charge of B's cgroup
+sampled by the residency keeper (split) or kept by the kernel (swap), the
+prediction (split), and the dirtier's pages/s in the 10 s after the move,
+counted by the guest (written pages between two verifies).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+from flexmig import exceptions, migrate_cli
+from flexmig_lab import image, vm
+from flexmig_lab.lab import Lab
+from tests.bench.bench_modes import _lab_qemu_version, _measure
+
+BANDWIDTH_MIB = 100
+RAM_MIB = 512
+QEMU_OVERHEAD_MB = 160
+WORKLOAD = "dirtier:wss=200M,rate=2000"
+CASES = ("enough", "split-75", "split-50", "split-35", "swap-50")
+DEFAULT_OUT = Path("docs/benchmarks/split.md")
+AFTER_S = 10.0
+READY_TIMEOUT_S = 300.0
+
+
+def offer_mb(case: str) -> int:
+    """What B offers VMs: the budget plus QEMU's own (flexmig/policy/decision.py)."""
+    if case == "enough":
+        return 4096
+    return RAM_MIB * int(case.split("-")[1]) // 100 + QEMU_OVERHEAD_MB
+
+
+def _wait_ready(guest: vm.LabVM) -> None:
+    """The working set is filled (TCG on a busy machine takes a while)."""
+    deadline = time.monotonic() + READY_TIMEOUT_S
+    while True:
+        try:
+            guest.verify()
+            return
+        except exceptions.GuestError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(5)
+
+
+def _after_move_rate(guest: vm.LabVM) -> float:
+    """Dirtier pages/s on the destination over AFTER_S, as the guest counts them."""
+    first, t0 = guest.verify(), time.monotonic()
+    time.sleep(AFTER_S)
+    second = guest.verify()
+    return (second["written"] - first["written"]) / (time.monotonic() - t0)
+
+
+def run_flexmig(lab: Lab, name: str) -> dict:
+    result = migrate_cli.migrate(lab, name, "B", show=False, bandwidth_mib=BANDWIDTH_MIB)
+    check = result.get("verify") or {}
+    status = lab.agent("B").get(f"/v1/split/{name}")
+    keeper = status.get("residency") or {}
+    reservation = status.get("reservation") or {}
+    row = dict(
+        ok=result["state"] == "completed",
+        mode=result.get("mode"),
+        time_s=(result.get("total_time_ms") or math.nan) / 1000,
+        gap_ms=result.get("guest_observed_downtime_ms", math.nan),
+        bad=check.get("bad", -1) + check.get("lost", 0),
+        pred_time_s=(result.get("predicted_total_ms") or math.nan) / 1000,
+        pred_downtime_ms=result.get("predicted_downtime_ms") or math.nan,
+        budget_mib=(reservation.get("budget_bytes") or 0) / 2**20,
+        max_charge_mib=(keeper.get("max_charge_bytes") or 0) / 2**20,
+        dropped_mib=(keeper.get("dropped_bytes") or 0) / 2**20,
+        note=(result.get("error") or "")[:60],
+    )
+    if row["ok"]:
+        row["after_pps"] = _after_move_rate(vm.LabVM(lab, name))
+    return row
+
+
+def run_swap(lab: Lab, name: str, swap_file: Path) -> dict:
+    budget = (offer_mb("split-50") - QEMU_OVERHEAD_MB) * 2**20
+    lab.agent("B").post(
+        "/v1/split/prepare", {"vm": name, "ram_bytes": RAM_MIB * 2**20, "budget_bytes": budget}
+    )
+    subprocess.run(["swapon", str(swap_file)], check=True)
+    try:
+        start_ns, t0 = time.monotonic_ns(), time.monotonic()
+        stats = vm.migrate_plain(lab, name, "B", bandwidth_mib=BANDWIDTH_MIB, max_downtime_ms=100)
+        gap, bad = _measure(lab, name, start_ns, "B")
+        cgroup = lab.agent("B").get(f"/v1/split/{name}").get("cgroup") or {}
+        return dict(
+            ok=True,
+            time_s=stats.get("time_elapsed", (time.monotonic() - t0) * 1000) / 1000,
+            gap_ms=gap,
+            bad=bad,
+            budget_mib=budget / 2**20,
+            max_charge_mib=(cgroup.get("max_usage_bytes") or 0) / 2**20,
+            after_pps=_after_move_rate(vm.LabVM(lab, name)),
+        )
+    finally:
+        vm.destroy(lab, name)
+        subprocess.run(["swapoff", str(swap_file)], check=True)
+
+
+def one_run(lab: Lab, case: str, swap_file: Path) -> dict:
+    name = f"bs-{case}"
+    lab.set_budget("B", 4096)
+    backing = "anonymous" if case.startswith("swap") else "file"
+    vm.create(lab, "A", name=name, ram=f"{RAM_MIB}M", workload=WORKLOAD, memory_backing=backing)
+    try:
+        _wait_ready(vm.LabVM(lab, name))
+        lab.set_budget("B", offer_mb(case) if not case.startswith("swap") else 4096)
+        if case.startswith("swap"):
+            return run_swap(lab, name, swap_file)
+        return run_flexmig(lab, name)
+    except exceptions.FlexMigError as exc:
+        return dict(ok=False, time_s=math.nan, gap_ms=math.nan, bad=-1, note=str(exc)[:70])
+    finally:
+        vm.destroy(lab, name)
+        lab.set_budget("B", 4096)
+
+
+def _median(rows: list[dict], key: str) -> float:
+    values = [r[key] for r in rows if isinstance(r.get(key), int | float)]
+    return statistics.median(values) if values else math.nan
+
+
+def table(runs: dict[str, list[dict]]) -> list[str]:
+    base_t, base_d = _median(runs["enough"], "time_s"), _median(runs["enough"], "gap_ms")
+    lines = []
+    for case, rows in runs.items():
+        t, d = _median(rows, "time_s"), _median(rows, "gap_ms")
+        pt, pd = _median(rows, "pred_time_s"), _median(rows, "pred_downtime_ms")
+        max_charge = max(r.get("max_charge_mib", 0) for r in rows)
+        pred = f"{pt:.2f} s ({pt / t - 1:+.0%}) / {pd:.0f} ms ({pd / d - 1:+.0%})"
+        lines.append(
+            f"| {case} | {sum(r['ok'] for r in rows)}/{len(rows)} | {t:.2f} | {t / base_t:.2f} "
+            f"| {d:.0f} | {d - base_d:+.0f} | {max(r['bad'] for r in rows)} "
+            f"| {_median(rows, 'budget_mib'):.0f} | {max_charge:.0f} "
+            f"| {pred if case.startswith('split') else ''} | {_median(rows, 'after_pps'):.0f} "
+            f"| {rows[0].get('note', '')} |"
+        )
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--cases", default=",".join(CASES), help=f"subset of {', '.join(CASES)}")
+    args = parser.parse_args()
+    cases = args.cases.split(",")
+    if "enough" not in cases or not set(cases) <= set(CASES):
+        raise SystemExit(f"--cases: a subset of {', '.join(CASES)} including 'enough'")
+    image.build()
+    lab = Lab()
+    lab.down()
+    lab.up(2)
+    swap_file = Path("/var/tmp/flexmig-bench-split-swapfile")
+    subprocess.run(["fallocate", "-l", "1G", str(swap_file)], check=True)
+    swap_file.chmod(0o600)
+    subprocess.run(["mkswap", str(swap_file)], check=True, capture_output=True)
+    runs: dict[str, list[dict]] = {case: [] for case in cases}
+    try:
+        for _ in range(args.repeat):  # cases interleaved: a noisy spell hits all of them
+            for case in cases:
+                runs[case].append(one_run(lab, case, swap_file))
+                print(case, runs[case][-1], flush=True)
+    finally:
+        lab.down()
+        swap_file.unlink(missing_ok=True)
+    write(args, runs)
+
+
+def write(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
+    command = (
+        ".venv/bin/python -m tests.bench.bench_split"
+        + (f" --repeat {args.repeat}" if args.repeat != 1 else "")
+        + (f" --cases {args.cases}" if args.cases != ",".join(CASES) else "")
+    )
+    header = [
+        f"# Split vs enough RAM vs conventional swap ({datetime.date.today()})",
+        "",
+        f"Command: `flock -x /work/wt/lab.lock {command}`",
+        "",
+        f"Lab: 2 hosts, {RAM_MIB} MiB TCG guest `{WORKLOAD}`, file-backed (swap: anonymous), "
+        f"stream capped at {BANDWIDTH_MIB} MiB/s; split-N: B offers N % of the VM's RAM as its "
+        "resident budget; swap-50: the split-50 cap on an anonymous guest with a host swap file. "
+        f"Medians of {args.repeat} run(s). Downtime is guest-observed. bad = bad + lost pages "
+        "(max). max charge = largest charge of B's cgroup (keeper's samples for split, the "
+        f"kernel's peak for swap). after = dirtier pages/s in the {AFTER_S:.0f} s after the move "
+        "(the workload asks for 2000/s).",
+        "",
+        f"QEMU {_lab_qemu_version()}; load average at the end {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} CPUs (the machine is shared).",
+        "",
+        "| case | completed | total s | x enough | downtime ms | vs enough ms | bad | budget MiB "
+        "| max charge MiB | predicted total / downtime (error) | after pages/s | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(header + table(runs)) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""The residency keeper's choices (pure) and its moves on a real process's file mapping."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import signal
+from pathlib import Path
+
+import pytest
+
+from agents.agent import residency
+
+MIB = 1 << 20
+
+
+def test_a_chunk_referenced_every_interval_stays_hotter_than_one_touched_once():
+    ages = [0, 0]
+    ages = residency.age(ages, [0, 1])
+    for _ in range(3):
+        ages = residency.age(ages, [0])
+    assert ages[0] > ages[1] > 0
+    for _ in range(8):
+        ages = residency.age(ages, [])
+    assert ages == [0, 0]  # eight bits of history: all forgotten
+
+
+def test_eviction_takes_the_coldest_first_and_only_what_is_needed():
+    resident = [256, 256, 256, 256, 0]
+    ages = [0xC0, 0x00, 0x80, 0x01, 0x00]
+    assert residency.coldest(resident, ages, 1) == [1]
+    assert residency.coldest(resident, ages, 257) == [1, 3]
+    assert residency.coldest(resident, ages, 10_000) == [1, 3, 2, 0]  # never chunk 4: not resident
+
+
+def test_the_target_keeps_headroom_but_never_below_half_the_cap():
+    assert residency.target_bytes(240 * MIB, 24 * MIB) == 216 * MIB
+    assert residency.target_bytes(100 * MIB, 90 * MIB) == 50 * MIB
+
+
+class _Child:
+    """A process that maps a file shared and writes every page of it, like incoming QEMU.
+
+    ``pause_before_writing``: it maps the file, then waits for ``release()``.
+    """
+
+    def __init__(self, path: Path, size: int, pause_before_writing: bool = False) -> None:
+        path.write_bytes(b"")
+        os.truncate(path, size)
+        to_parent, from_child = os.pipe()[::-1]
+        from_parent, to_child = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - the child
+            fd = os.open(path, os.O_RDWR)
+            mem = mmap.mmap(fd, size, mmap.MAP_SHARED)
+            address = ctypes.addressof(ctypes.c_char.from_buffer(mem))
+            os.write(to_parent, f"{address:020d}".encode())
+            if pause_before_writing:
+                os.read(from_parent, 1)
+            for offset in range(0, size, 4096):
+                mem[offset : offset + 8] = offset.to_bytes(8, "little")
+            os.write(to_parent, b"D")
+            signal.pause()
+            os._exit(0)
+        os.close(to_parent)
+        os.close(from_parent)
+        self._from_child, self._to_child = from_child, to_child
+        self.address = int(os.read(from_child, 20))
+        self._done = False
+        if not pause_before_writing:
+            assert os.read(from_child, 1) == b"D"
+            self._done = True
+
+    def release(self) -> None:
+        os.write(self._to_child, b"G")
+
+    def done(self) -> bool:
+        if not self._done:
+            os.set_blocking(self._from_child, False)
+            try:
+                self._done = os.read(self._from_child, 1) == b"D"
+            except BlockingIOError:
+                pass
+        return self._done
+
+    def stop(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+        os.close(self._from_child)
+        os.close(self._to_child)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="page frame numbers and process_madvise need root")
+def test_written_back_chunks_are_dropped_from_the_process_and_their_data_kept(tmp_path):
+    path = tmp_path / "guest.ram"
+    child = _Child(path, 8 * MIB)
+    try:
+        ram = residency.GuestRam.find(child.pid, 8 * MIB)
+        assert ram.address == child.address and ram.path == str(path)
+        fds = [os.open(path, os.O_RDONLY), os.pidfd_open(child.pid)]
+        fds += [os.open(f"/proc/{child.pid}/pagemap", os.O_RDONLY)]
+        fds += [os.open("/proc/kpageflags", os.O_RDONLY)]
+        try:
+            scan = ram.scan(fds[2], fds[3])
+            assert scan.resident == [256] * 8
+            assert scan.dirty == set(range(8))  # written, never written back
+            ram.write_back(fds[0], [1, 2, 5], wait=True)
+            assert ram.scan(fds[2], fds[3]).dirty == {0, 3, 4, 6, 7}
+            assert ram.page_out(fds[1], [1, 2, 5]) == 3 * MIB
+            after = ram.scan(fds[2], fds[3])
+            assert after.resident[1] == after.resident[2] == after.resident[5] == 0
+            assert after.resident[0] == 256
+        finally:
+            for fd in fds:
+                os.close(fd)
+    finally:
+        child.stop()
+    data = path.read_bytes()  # what was dropped is in the file
+    assert all(int.from_bytes(data[o : o + 8], "little") == o for o in range(0, 8 * MIB, 4096))
+
+
+def test_find_names_a_process_without_such_a_mapping():
+    with pytest.raises(LookupError, match="no 3 MiB file mapping"):
+        residency.GuestRam.find(os.getpid(), 3 * MIB + 4096)
