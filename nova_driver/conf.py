@@ -31,6 +31,12 @@ flexmig_opts = [
         "key_file). nova-compute signs its agent requests with it and derives "
         "the migration-scoped credentials it hands to a migration's source.",
     ),
+    cfg.StrOpt(
+        "agent_ca_file",
+        help="The deployment's CA bundle. Set it when the agents serve TLS "
+        "([agent] tls_cert_file): nova-compute then reaches every agent over "
+        "TLS and verifies its certificate against this CA. Unset means plain HTTP.",
+    ),
     cfg.FloatOpt(
         "agent_timeout",
         default=10.0,

@@ -1,6 +1,6 @@
 """FlexMigLibvirtDriver: Nova's libvirt driver with FlexMig's live-migration modes.
 
-Enabled by ``compute_driver = nova_driver.driver.FlexMigLibvirtDriver``.  Only
+Enabled by ``compute_driver = flexmig.FlexMigLibvirtDriver``.  Only
 the live-migration seams are overridden; everything else is Nova's driver.
 
 Destination, ``pre_live_migration``: after Nova's own preparation, ask the
@@ -93,6 +93,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             *self._agent_endpoint,
             self._flexmig_key,
             timeout=CONF.flexmig.agent_timeout,
+            ca_file=CONF.flexmig.agent_ca_file,
         )
 
     # -- destination ----------------------------------------------------------
@@ -428,7 +429,9 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         # clean (no shared instance path): release the reservation from here,
         # with the credential the destination issued for this VM's migration.
         try:
-            agent = planning.destination_agent(offer, CONF.flexmig.agent_timeout)
+            agent = planning.destination_agent(
+                offer, CONF.flexmig.agent_timeout, CONF.flexmig.agent_ca_file
+            )
             agent.post("/v1/split/cleanup", {"vm": instance.name})
             LOG.info("FlexMig: released the destination's split reservation", instance=instance)
         except exceptions.FlexMigError as exc:

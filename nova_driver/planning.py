@@ -119,7 +119,9 @@ def load_mode(name: str) -> MigrationMode:
         raise exceptions.InvalidInput(what="migration mode", reason=f"{name}: {exc}") from exc
 
 
-def destination_agent(offer: DestinationOffer, timeout: float) -> AgentClient:
+def destination_agent(
+    offer: DestinationOffer, timeout: float, ca_file: str | None = None
+) -> AgentClient:
     """A client that holds only the migration-scoped credential the destination issued."""
     return AgentClient(
         offer.agent_address,
@@ -127,6 +129,7 @@ def destination_agent(offer: DestinationOffer, timeout: float) -> AgentClient:
         offer.scoped_key.encode(),
         timeout=timeout,
         scope=offer.scope,
+        ca_file=ca_file,
     )
 
 
@@ -134,7 +137,7 @@ def fabric_bandwidth(offer: DestinationOffer, conf: Any) -> float:
     """Bytes/s the stream is planned at: assumed rate, probed fabric, Nova's cap."""
     bandwidth = float(conf.flexmig.stream_bandwidth_mib * MIB)
     if conf.flexmig.bandwidth_probe_mib:
-        agent = destination_agent(offer, conf.flexmig.agent_timeout)
+        agent = destination_agent(offer, conf.flexmig.agent_timeout, conf.flexmig.agent_ca_file)
         bandwidth = min(bandwidth, agent.probe_bandwidth(conf.flexmig.bandwidth_probe_mib))
     if conf.libvirt.live_migration_bandwidth:
         bandwidth = min(bandwidth, conf.libvirt.live_migration_bandwidth * MIB)

@@ -76,6 +76,16 @@ def scoped_key(key: bytes, scope: str) -> bytes:
     return hmac.new(key, b"flexmig-scope\n" + scope.encode(), hashlib.sha256).hexdigest().encode()
 
 
+def mover_token(key: bytes, migration_id: str, salt: str) -> str:
+    """The movers' per-migration token, derived on both ends from the deployment key.
+
+    Only the random salt travels in the request, so the token is never on the
+    wire, TLS or not; a new salt per migration makes every token new.
+    """
+    msg = b"flexmig-mover\n" + migration_id.encode() + b"\n" + salt.encode()
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()[:48]
+
+
 def sign(
     key: bytes,
     method: str,

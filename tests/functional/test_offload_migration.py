@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 import time
 
+import libvirt
 import pytest
 
 from flexmig import hypervisor, migrate_cli, processutil
@@ -31,7 +32,7 @@ statistics:
   window_s: 0.5
   promote_pps: 1000000
   demote_pps: 1
-  demote_intervals: 50
+  demote_intervals: 10000
 """
 DUMP_LINE = re.compile(r"table=(\d+), n_packets=(\d+), n_bytes=(\d+)")
 REOFFLOAD_BOUND_S = 5.0
@@ -123,11 +124,14 @@ def destroy_incoming(lab, host_name, name):
 
     def destroyed():
         with hypervisor.connect(host.local_uri, host.name) as conn:
-            dom = hypervisor.find_domain(conn, name)
-            if dom is None:
-                return False
-            dom.destroy()
-            return True
+            try:
+                dom = hypervisor.find_domain(conn, name)
+                if dom is None:
+                    return False
+                dom.destroy()
+                return True
+            except libvirt.libvirtError:
+                return False  # defined and gone again between the two calls: look again
 
     processutil.wait_for(destroyed, timeout=30, interval=0.1, what=f"{name} on {host_name}")
 

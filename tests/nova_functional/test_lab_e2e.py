@@ -308,7 +308,7 @@ statistics:
   window_s: 0.5
   promote_pps: 1000000
   demote_pps: 1
-  demote_intervals: 50
+  demote_intervals: 10000
 """
 
 

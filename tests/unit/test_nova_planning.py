@@ -80,6 +80,9 @@ def test_offer_survives_nova_rpc_serialisation() -> None:
     assert migrate_data.offer_of(data) is None
 
 
-def test_a_garbled_offer_is_a_clear_error() -> None:
-    with pytest.raises(Exception, match="cannot read the destination offer"):
-        migrate_data.DestinationOffer.from_json('{"agent_address": 1}')
+def test_an_incomplete_offer_is_a_clear_error() -> None:
+    offer = migrate_data.FlexMigOffer(agent_address="10.250.0.12", agent_port=9797)
+    data = migrate_data.FlexMigLiveMigrateData(flexmig_offer=offer)
+    received = obj_base.NovaObject.obj_from_primitive(data.obj_to_primitive())
+    with pytest.raises(Exception, match="the destination offer lacks scope, scoped_key"):
+        migrate_data.offer_of(received)

@@ -12,8 +12,6 @@ from flexmig.progress import MigrationProgress
 from flexmig_lab import endpoint_cli, image, vm
 from flexmig_lab.lab import Lab
 
-DEMO_WORKLOAD = "dirtier:wss=128M,rate=5000,pattern=random"
-
 
 def _print(data: object, as_json: bool) -> None:
     if as_json:
@@ -148,24 +146,10 @@ def cmd_vm_migrate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    """The main job: lab up, a dirtying VM on A, live-migrate to B, report, lab down."""
-    lab = Lab()
-    print("== bringing up a two-host lab")
-    image.build()
-    lab.up(2)
-    try:
-        print(f"== booting vm 'demo' on host A with workload {args.workload}")
-        vm.create(lab, "A", ram=args.ram, workload=args.workload, name="demo")
-        time.sleep(2)  # let the dirtier get going so the migration has work to chase
-        print("== live-migrating demo A -> B")
-        summary = migrate_and_measure(lab, "demo", "B")
-        _print(summary, args.json)
-        ok = summary["verify"].startswith("0 bad, 0 lost")  # type: ignore[union-attr]
-    finally:
-        if not args.keep:
-            print("== tearing the lab down")
-            lab.down()
-    return 0 if ok else 1
+    """The main job: three VMs, three modes, one table (flexmig_lab.demo)."""
+    from flexmig_lab import demo
+
+    return demo.run(keep=args.keep)
 
 
 def cmd_host_budget(args: argparse.Namespace) -> int:
@@ -179,11 +163,10 @@ def cmd_host_budget(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flexmig-lab", description=__doc__)
     lab = parser.add_subparsers(dest="command", required=True)
-    demo = lab.add_parser("demo", help="lab up, migrate a dirtying VM A->B, report, lab down")
-    demo.add_argument("--ram", default="512M")
-    demo.add_argument("--workload", default=DEMO_WORKLOAD)
+    demo = lab.add_parser(
+        "demo", help="lab up; three VMs, each migrated A->B in the mode FlexMig picks; lab down"
+    )
     demo.add_argument("--keep", action="store_true", help="leave the lab up afterwards")
-    demo.add_argument("--json", action="store_true")
     demo.set_defaults(func=cmd_demo)
     up = lab.add_parser("up", help="bring the lab up (idempotent)")
     up.add_argument("--hosts", type=int, default=2, help="number of hosts, 2..8")
