@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import re
 import secrets
 import threading
@@ -126,9 +127,15 @@ class Verifier:
         if not ts or not nonce or not sig:
             raise AuthError(reason="missing credential headers")
         try:
-            skew = abs(now - float(ts))
+            stamp = float(ts)
         except ValueError:
             raise AuthError(reason="malformed timestamp") from None
+        # float() also takes "nan": its skew compares false with any bound, so a
+        # request signed with it would never expire and could be replayed once
+        # its nonce left the replay cache.
+        if not math.isfinite(stamp):
+            raise AuthError(reason="malformed timestamp")
+        skew = abs(now - stamp)
         if skew > self.max_skew_s:
             raise AuthError(reason=f"timestamp {skew:.0f} s off (max {self.max_skew_s:.0f} s)")
         key = self._key_for(method, path, body, headers.get(HEADER_SCOPE), now)
