@@ -398,14 +398,7 @@ def test_bridge_reconnect_starts_the_app_afresh(olab, lab):
     service, eps = olab
     host = lab.host("A")
     start_flow(service, eps, "s1", 41051, 9801)
-    host.ovs_vsctl("del-controller", "br-int")
-    time.sleep(0.5)
-    host.ovs_vsctl("set-controller", "br-int", "tcp:127.0.0.1:6653")
-    wait_status(
-        service,
-        lambda s: not s["flows"] and "ep-r1" in s["fast_path_ports"],
-        what="the app to start afresh after reconnecting",
-    )
+    _reconnect_bridge(service, host)
     discovery = [r for r in _owned_rules(host) if "cookie=0xf1e002" in r]
     assert len(discovery) == 3 * 4  # tcp, udp, arp on phy0, ep-s1, ep-s2, ep-r1
     assert start_flow(service, eps, "s1", 41052, 9801)["packets"] == 1
@@ -417,8 +410,13 @@ def test_bridge_reconnect_starts_the_app_afresh(olab, lab):
 )
 def test_a_flow_seen_before_a_reconnection_counts_its_first_packet_once(olab, lab):
     service, eps = olab
-    host = lab.host("A")
     start_flow(service, eps, "s1", 41053, 9801)
+    _reconnect_bridge(service, lab.host("A"))
+    assert start_flow(service, eps, "s1", 41053, 9801)["packets"] == 1
+
+
+def _reconnect_bridge(service, host):
+    """OVS drops the controller and connects again; returns once the app started afresh."""
     host.ovs_vsctl("del-controller", "br-int")
     time.sleep(0.5)
     host.ovs_vsctl("set-controller", "br-int", "tcp:127.0.0.1:6653")
@@ -427,7 +425,6 @@ def test_a_flow_seen_before_a_reconnection_counts_its_first_packet_once(olab, la
         lambda s: not s["flows"] and "ep-r1" in s["fast_path_ports"],
         what="the app to start afresh after reconnecting",
     )
-    assert start_flow(service, eps, "s1", 41053, 9801)["packets"] == 1
 
 
 def test_bad_provider_name_is_refused_at_start(lab):
