@@ -5,10 +5,11 @@ from __future__ import annotations
 import pathlib
 import re
 import subprocess
-import sys
 import zipfile
 
 import pytest
+
+from tests.unit import wheel_build
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SETUP_SH = ROOT / "tools" / "setup.sh"
@@ -23,26 +24,7 @@ def _git(*args: str, cwd: pathlib.Path = ROOT) -> str:
 def _wheel(
     tree: pathlib.Path, out: pathlib.Path, env: dict[str, str] | None = None
 ) -> zipfile.ZipFile:
-    """Build the tree's wheel as pip installs it (pbr's PEP 517 backend)."""
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pip",
-            "wheel",
-            "-q",
-            "--no-deps",
-            "--no-build-isolation",
-            "-w",
-            str(out),
-            str(tree),
-        ],
-        check=True,
-        capture_output=True,
-        env=env,
-    )
-    (wheel,) = out.glob("flexmig-*.whl")
-    return zipfile.ZipFile(wheel)
+    return zipfile.ZipFile(wheel_build.build(tree, out, env))
 
 
 def _version(wheel: zipfile.ZipFile) -> str:
