@@ -1,16 +1,22 @@
-import configparser
-
 import setuptools
+from setuptools import dist
 
-# Nova 34 imports compute_driver as "nova.virt.<value>": the driver is also
-# installed as nova.virt.nova_driver (a re-export, nova_driver/nova_virt), so
-# "compute_driver = nova_driver.driver.FlexMigLibvirtDriver" loads it. The
-# packages themselves stay listed in setup.cfg ([options.packages.find]).
-cfg = configparser.ConfigParser()
-cfg.read("setup.cfg")
-include = cfg["options.packages.find"]["include"].split()
+# The one mapping pbr's setup.cfg cannot express: Nova 34 imports
+# compute_driver as "nova.virt.<value>", so the driver's re-export
+# (nova_driver/nova_virt) is installed as nova.virt.flexmig and
+# "compute_driver = flexmig.FlexMigLibvirtDriver" loads it.
+SHIM = "nova.virt.flexmig"
+
+
+class Distribution(dist.Distribution):
+    def finalize_options(self) -> None:
+        super().finalize_options()  # pbr fills packages from setup.cfg here
+        self.packages = sorted({*(self.packages or []), SHIM})
+
 
 setuptools.setup(
-    packages=setuptools.find_packages(include=include) + ["nova.virt.nova_driver"],
-    package_dir={"nova.virt.nova_driver": "nova_driver/nova_virt"},
+    setup_requires=["pbr>=6.0.0"],
+    pbr=True,
+    distclass=Distribution,
+    package_dir={SHIM: "nova_driver/nova_virt"},
 )

@@ -326,6 +326,9 @@ function _flexmig_configure_agent {
     iniset "$FLEXMIG_AGENT_CONF" migration max_downtime_ms "$FLEXMIG_MAX_DOWNTIME_MS"
     iniset "$FLEXMIG_AGENT_CONF" migration allowed_modes "$FLEXMIG_ALLOWED_MODES"
     iniset "$FLEXMIG_AGENT_CONF" migration tcp_fabric_transport "$FLEXMIG_AGENT_TCP_FABRIC_TRANSPORT"
+    # Nova drives every live migration here: the agents' own orchestration
+    # routes would let any holder of the shared key move VMs behind its back.
+    iniset "$FLEXMIG_AGENT_CONF" agent allow_orchestration "$FLEXMIG_AGENT_ALLOW_ORCHESTRATION"
 }
 
 function _flexmig_configure_nova {

@@ -9,6 +9,8 @@ option, instead of failing the first live migration hours later.
 
 from __future__ import annotations
 
+import math
+
 from oslo_config import cfg
 
 from agents.agent.client import DEFAULT_PORT
@@ -34,6 +36,12 @@ flexmig_opts = [
         help="File holding the deployment's shared agent key (the agents' [agent] "
         "key_file). nova-compute signs its agent requests with it and derives "
         "the migration-scoped credentials it hands to a migration's source.",
+    ),
+    cfg.StrOpt(
+        "agent_ca_file",
+        help="The deployment's CA bundle. Set it when the agents serve TLS "
+        "([agent] tls_cert_file): nova-compute then reaches every agent over "
+        "TLS and verifies its certificate against this CA. Unset means plain HTTP.",
     ),
     cfg.FloatOpt(
         "agent_timeout",
@@ -68,7 +76,12 @@ def validate(conf: cfg.ConfigOpts) -> EngineOptions:
     """Read every option (oslo.config parses lazily); the engine's, as plain values."""
     for opt in flexmig_opts:
         try:
-            getattr(conf[GROUP], opt.dest)
+            value = getattr(conf[GROUP], opt.dest)
         except (cfg.ConfigFileValueError, ValueError) as exc:
             raise InvalidConfig(group=GROUP, option=opt.name, reason=str(exc)) from exc
+        # oslo.config's bounds compare false against NaN, so "nan" passes them.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidConfig(
+                group=GROUP, option=opt.name, reason=f"{value} is not a finite number"
+            )
     return migration_options.read(conf)

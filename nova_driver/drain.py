@@ -201,9 +201,12 @@ class NovaBackend:
 
 
 def hypervisor_agents(
-    api: NovaAPI, port: int, key: bytes, timeout: float = 30.0
+    api: NovaAPI, port: int, key: bytes, timeout: float = 30.0, ca_file: str | None = None
 ) -> Callable[[str], Any | None]:
-    """Each compute's agent at its hypervisor's host_ip (how the driver finds its own)."""
+    """Each compute's agent at its hypervisor's host_ip (how the driver finds its own).
+
+    ``ca_file``: the deployment's CA when the agents serve TLS ([flexmig] agent_ca_file).
+    """
     from agents.agent.client import AgentClient  # the agent's client, not its service
 
     found = api.get("/os-hypervisors/detail")["hypervisors"]
@@ -211,7 +214,7 @@ def hypervisor_agents(
 
     def agent_for(host: str) -> Any | None:
         ip = ips.get(host)
-        return AgentClient(ip, port, key, timeout=timeout) if ip else None
+        return AgentClient(ip, port, key, timeout=timeout, ca_file=ca_file) if ip else None
 
     return agent_for
 

@@ -1,6 +1,6 @@
 """FlexMigLibvirtDriver: Nova's libvirt driver with FlexMig's live-migration modes.
 
-Enabled by ``compute_driver = nova_driver.driver.FlexMigLibvirtDriver``.  Only
+Enabled by ``compute_driver = flexmig.FlexMigLibvirtDriver``.  Only
 the live-migration seams are overridden; everything else is Nova's driver.
 
 Destination, ``pre_live_migration``: after Nova's own preparation, ask the
@@ -47,7 +47,12 @@ from flexmig.policy.decision import split_budget
 from flexmig.policy.transport import choose_transport
 from nova_driver import conf as flexmig_conf
 from nova_driver import monitor, planning
-from nova_driver.migrate_data import DestinationOffer, FlexMigLiveMigrateData, offer_of
+from nova_driver.migrate_data import (
+    DestinationOffer,
+    FlexMigLiveMigrateData,
+    MoverOffer,
+    offer_of,
+)
 
 LOG = logging.getLogger(__name__)
 CONF = nova_conf.CONF
@@ -114,6 +119,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             *self._agent_endpoint,
             self._flexmig_key,
             timeout=CONF.flexmig.agent_timeout,
+            ca_file=CONF.flexmig.agent_ca_file,
         )
 
     # -- destination ----------------------------------------------------------
@@ -186,26 +192,26 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
 
     def _start_receivers(
         self, agent: AgentClient, facts: dict[str, Any], migration_id: str
-    ) -> dict[str, Any] | None:
-        """Receiving movers where the transport resolves to them; their offer entry."""
+    ) -> MoverOffer | None:
+        """Receiving movers where the transport resolves to them; their offer."""
         opts = migration_options.read(CONF)
         choice = choose_transport(
             opts.transport, facts.get("rdma_provider") is True, opts.tcp_fabric_transport
         )
         if choice.transport != "mover":
             return None
-        mid, token = auth.mover_id(migration_id), movers.new_token()
+        mid, salt = auth.mover_id(migration_id), movers.new_token_salt()
         # QEMU's multifd opens the main connection and one per channel.
         parallel = CONF.libvirt.live_migration_parallel_connections
         streams = parallel + 1 if parallel > 1 else 1
-        body = {"migration_id": mid, "token": token, "streams": streams}
+        body = {"migration_id": mid, "token_salt": salt, "streams": streams}
         reply = agent.post("/v1/mover/receive", body)
-        return {
-            "migration_id": mid,
-            "token": token,
-            "ports": reply["ports"],
-            "address": reply["address"],
-        }
+        return MoverOffer(
+            migration_id=mid,
+            token_salt=salt,
+            address=str(reply["address"]),
+            ports=tuple(int(port) for port in reply["ports"]),
+        )
 
     def rollback_live_migration_at_destination(
         self,
@@ -330,10 +336,10 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         # uses the first receiver; the destination's others are aborted at the end.
         streams = plan.parallel + 1 if plan.parallel > 1 else 1
         body = {
-            "migration_id": offer.mover["migration_id"],
-            "token": offer.mover["token"],
-            "peer": offer.mover["address"],
-            "ports": offer.mover["ports"][:streams],
+            "migration_id": offer.mover.migration_id,
+            "token_salt": offer.mover.token_salt,
+            "peer": offer.mover.address,
+            "ports": list(offer.mover.ports[:streams]),
         }
         return str(self._local_agent().post("/v1/mover/send", body)["uri"])
 
@@ -341,12 +347,17 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         """Both sides' movers once the job ended: statistics, or killed after a failure."""
         if offer is None or offer.mover is None:
             return
-        body: dict[str, Any] = {"migration_id": offer.mover["migration_id"]}
+        body: dict[str, Any] = {"migration_id": offer.mover.migration_id}
         if not ok:
             body["abort"] = True
         agents = (
             ("source", self._local_agent()),
-            ("destination", planning.destination_agent(offer, CONF.flexmig.agent_timeout)),
+            (
+                "destination",
+                planning.destination_agent(
+                    offer, CONF.flexmig.agent_timeout, CONF.flexmig.agent_ca_file
+                ),
+            ),
         )
         for side, agent in agents:
             try:
@@ -531,7 +542,9 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         # clean (no shared instance path): release the reservation from here,
         # with the credential the destination issued for this VM's migration.
         try:
-            agent = planning.destination_agent(offer, CONF.flexmig.agent_timeout)
+            agent = planning.destination_agent(
+                offer, CONF.flexmig.agent_timeout, CONF.flexmig.agent_ca_file
+            )
             agent.post("/v1/split/cleanup", {"vm": instance.name})
             LOG.info("FlexMig: released the destination's split reservation", instance=instance)
         except exceptions.FlexMigError as exc:

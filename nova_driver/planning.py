@@ -45,14 +45,16 @@ def split_destination_xml(xml: str) -> str:
     return ET.tostring(root, encoding="unicode")
 
 
-def destination_agent(offer: DestinationOffer, timeout: float) -> AgentClient:
-    """A client that holds only the migration-scoped credential the destination issued."""
+def destination_agent(offer: DestinationOffer, timeout: float, ca_file: str | None) -> AgentClient:
+    """A client that holds only the migration-scoped credential the destination issued
+    (over TLS against ``ca_file`` when the agents serve TLS)."""
     return AgentClient(
         offer.agent_address,
         offer.agent_port,
         offer.scoped_key.encode(),
         timeout=timeout,
         scope=offer.scope,
+        ca_file=ca_file,
     )
 
 
@@ -100,7 +102,7 @@ def plan(
         ) from exc
     fabric = None
     if opts.bandwidth_probe_mib:
-        agent = destination_agent(offer, conf.flexmig.agent_timeout)
+        agent = destination_agent(offer, conf.flexmig.agent_timeout, conf.flexmig.agent_ca_file)
         fabric = agent.probe_bandwidth(opts.bandwidth_probe_mib)
     dest = planner.DestinationFacts(
         free_for_vms_bytes=offer.free_for_vms_bytes,

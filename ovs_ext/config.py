@@ -6,6 +6,8 @@ help.  Providers carry their own options under ``[offload_<name>]``.
 
 from __future__ import annotations
 
+import math
+
 from oslo_config import cfg
 
 GROUP = "offload"
@@ -138,7 +140,10 @@ def validate(conf: cfg.ConfigOpts) -> None:
     """Read every option once: oslo.config checks types and bounds on access, and a
     bad value must stop the start before anything is touched."""
     for opt in offload_opts:
-        getattr(conf[GROUP], opt.dest)
+        value = getattr(conf[GROUP], opt.dest)
+        # oslo.config's bounds compare false against NaN, so "nan" passes them.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise cfg.ConfigFileValueError(f"[{GROUP}] {opt.name}: {value} is not a finite number")
 
 
 def list_opts() -> list[tuple[str, list[cfg.Opt]]]:

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from agents.agent import api, auth
+from agents.agent import api, auth, listener
 from ovs_ext import migration, openflow
 from ovs_ext.app import Runtime, write_status
 from ovs_ext.flows import TrackedFlow
@@ -181,7 +181,7 @@ def serve(runtime: Runtime, socket_path: str, key: bytes) -> ControlAPI:
     """Start the control interface in a thread; the returned object keeps its state."""
     control_api = ControlAPI(runtime)
     handler = api.make_handler(auth.Verifier(key), control_api.router)
-    server = api.UnixHTTPServer(socket_path, handler)
+    server = listener.unix_listener(socket_path, handler, listener.Limits())
     threading.Thread(target=server.serve_forever, name="offload-control", daemon=True).start()
     control_api.server = server  # type: ignore[attr-defined]
     return control_api

@@ -20,6 +20,7 @@ import threading
 from types import FrameType
 
 from oslo_config import cfg
+from oslo_log import log
 from stevedore import driver
 
 from agents.agent import auth
@@ -173,6 +174,7 @@ def prepare(argv: list[str]) -> tuple[cfg.ConfigOpts, Runtime]:
     conf = cfg.ConfigOpts()
     config.register_opts(conf)
     stats_config.register_opts(conf)
+    log.register_options(conf)
     conf(argv, project="flexmig", prog="flexmig-offload")
     config.validate(conf)
     opts = conf.offload
@@ -211,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     except (cfg.Error, exceptions.FlexMigError, OSError) as exc:
         print(f"flexmig-offload: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    log.setup(conf, "flexmig-offload")
     opts = conf.offload
     LOG.info(
         "provider %s (capacity %d), policy %s, bridge %s",

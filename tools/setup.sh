@@ -26,6 +26,8 @@ SETUP_LOG="$ROOT/.cache/setup.log"
 STEP="starting"
 
 log() { echo "setup: $*" >&2; }
+# The version a tree without git history installs as (pbr needs one).
+UNVERSIONED=0.0.0
 
 step() {
   STEP=$*
@@ -81,15 +83,29 @@ install_debian_packages() {
 install_python() {
   local stamp=.venv/.installed
   local want
-  want=$(cat setup.cfg constraints.txt tests/rig/pyproject.toml | sha256sum | cut -c1-16)
+  want=$(cat setup.cfg setup.py pyproject.toml requirements.txt test-requirements.txt \
+    constraints.txt tests/rig/pyproject.toml | sha256sum | cut -c1-16)
   if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     return
   fi
+  # pbr takes the version from git; a tree without its history (an exported
+  # archive) has none to take, so it is given one.  Clones, shallow ones
+  # included, have a commit to count from.
+  if ! git -C "$ROOT" rev-parse --verify -q HEAD >/dev/null 2>&1; then
+    log "no git history here: installing as version $UNVERSIONED"
+    export PBR_VERSION=$UNVERSIONED
+  fi
+  # pbr's editable install keeps FlexMig's metadata in the virtualenv; an
+  # egg-info the earlier setuptools install left in the tree would shadow it
+  # (stale entry points) for anything run from here.
+  rm -rf flexmig.egg-info
   step "creating the virtualenv in .venv (Python packages, a few minutes the first time)"
   {
     python3 -m venv .venv
     .venv/bin/pip install -q -U pip setuptools wheel
-    .venv/bin/pip install -q -c constraints.txt -e ".[test,nova]"
+    # The gate's way: requirements under the upper constraints.
+    .venv/bin/pip install -q -c constraints.txt -r requirements.txt -r test-requirements.txt
+    .venv/bin/pip install -q -c constraints.txt -e .
     # The lab (tests/rig): a test rig beside the product, never inside it.
     .venv/bin/pip install -q -c constraints.txt --no-build-isolation -e tests/rig
   } >>"$SETUP_LOG" 2>&1

@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import socketserver
+import ssl
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
-from agents.agent import auth
+from agents.agent import auth, listener
 from flexmig import exceptions
 
 LOG = logging.getLogger("flexmig.agent.api")
@@ -28,6 +27,10 @@ Handler = Callable[[dict[str, Any], re.Match[str]], tuple[int, dict[str, Any]]]
 
 class BadRequest(exceptions.InvalidInput):
     msg_fmt = "Bad request: %(reason)s"
+
+
+class Forbidden(exceptions.FlexMigError):
+    msg_fmt = "Forbidden: %(reason)s"
 
 
 def check_fields(
@@ -63,6 +66,8 @@ def error_reply(exc: Exception) -> tuple[int, dict[str, Any]]:
         return 404, {"error": str(exc), "kind": "not_found"}
     if isinstance(exc, ValueError | exceptions.InvalidInput):
         return 400, {"error": str(exc), "kind": "invalid_input"}
+    if isinstance(exc, Forbidden):
+        return 403, {"error": str(exc), "kind": "forbidden"}
     if isinstance(exc, exceptions.PolicyRefused):
         reply = {"error": str(exc), "kind": "refused", "vm": exc.vm, "reasons": list(exc.reasons)}
         return 409, reply
@@ -93,18 +98,6 @@ class Router:
         )
 
 
-class UnixHTTPServer(socketserver.ThreadingUnixStreamServer):
-    """The same API on a UNIX socket (for local tools); still authenticated."""
-
-    daemon_threads = True
-
-    def server_bind(self) -> None:
-        if os.path.exists(self.server_address):  # type: ignore[arg-type]
-            os.unlink(self.server_address)  # type: ignore[arg-type]
-        super().server_bind()
-        os.chmod(self.server_address, 0o600)  # type: ignore[arg-type]
-
-
 def make_handler(verifier: auth.Verifier, router: Router) -> type[BaseHTTPRequestHandler]:
     class RequestHandler(BaseHTTPRequestHandler):
         server_version = "flexmig-agent"
@@ -133,6 +126,7 @@ def make_handler(verifier: auth.Verifier, router: Router) -> type[BaseHTTPReques
                 self._reply(400, {"error": f"body must be 0..{MAX_BODY} bytes"})
                 return
             raw = self.rfile.read(length)
+            self.server.request_read()  # the whole request is here: no more deadline
             try:
                 verifier.verify(method, self.path, dict(self.headers.items()), raw)
             except auth.AuthError as exc:
@@ -159,12 +153,18 @@ def make_handler(verifier: auth.Verifier, router: Router) -> type[BaseHTTPReques
 
 
 def make_servers(
-    address: str, port: int, unix_socket: str | None, verifier: auth.Verifier, router: Router
-) -> list[socketserver.BaseServer]:
+    address: str,
+    port: int,
+    unix_socket: str | None,
+    verifier: auth.Verifier,
+    router: Router,
+    limits: listener.Limits | None = None,
+    tls: ssl.SSLContext | None = None,
+) -> list[listener.Listener]:
+    """The API on ``address:port`` (TLS when ``tls``) and, if given, a UNIX socket."""
+    limits = limits or listener.Limits()
     handler = make_handler(verifier, router)
-    tcp = ThreadingHTTPServer((address, port), handler)
-    tcp.daemon_threads = True
-    servers: list[socketserver.BaseServer] = [tcp]
+    servers = [listener.tcp_listener(address, port, handler, limits, tls)]
     if unix_socket:
-        servers.append(UnixHTTPServer(unix_socket, handler))
+        servers.append(listener.unix_listener(unix_socket, handler, limits))
     return servers

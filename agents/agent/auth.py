@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import re
 import secrets
 import threading
@@ -78,6 +79,16 @@ def scoped_key(key: bytes, scope: str) -> bytes:
     return hmac.new(key, b"flexmig-scope\n" + scope.encode(), hashlib.sha256).hexdigest().encode()
 
 
+def mover_token(key: bytes, migration_id: str, salt: str) -> str:
+    """The movers' per-migration token, derived on both ends from the deployment key.
+
+    Only the random salt travels in the request, so the token is never on the
+    wire, TLS or not; a new salt per migration makes every token new.
+    """
+    msg = b"flexmig-mover\n" + migration_id.encode() + b"\n" + salt.encode()
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()[:48]
+
+
 def sign(
     key: bytes,
     method: str,
@@ -118,9 +129,15 @@ class Verifier:
         if not ts or not nonce or not sig:
             raise AuthError(reason="missing credential headers")
         try:
-            skew = abs(now - float(ts))
+            stamp = float(ts)
         except ValueError:
             raise AuthError(reason="malformed timestamp") from None
+        # float() also takes "nan": its skew compares false with any bound, so a
+        # request signed with it would never expire and could be replayed once
+        # its nonce left the replay cache.
+        if not math.isfinite(stamp):
+            raise AuthError(reason="malformed timestamp")
+        skew = abs(now - stamp)
         if skew > self.max_skew_s:
             raise AuthError(reason=f"timestamp {skew:.0f} s off (max {self.max_skew_s:.0f} s)")
         key = self._key_for(method, path, body, headers.get(HEADER_SCOPE), now)

@@ -8,7 +8,7 @@ import socket
 import time
 from typing import Any
 
-from agents.agent import auth
+from agents.agent import auth, listener
 from flexmig import exceptions
 
 # The agent API's port, written once: the agent's, Nova's and the CLI's defaults.
@@ -46,7 +46,10 @@ class AgentClient:
     """``address`` is an IP (with ``port``) or, with port 0, a UNIX socket path.
 
     With ``scope`` the client holds a migration-scoped credential: ``key`` is
-    the scoped key (``auth.scoped_key``), not the deployment's.
+    the scoped key (``auth.scoped_key``), not the deployment's.  With
+    ``ca_file`` it speaks TLS and verifies the agent's certificate against
+    that CA (the deployment's); UNIX sockets never leave the host and stay
+    plain.
     """
 
     def __init__(
@@ -56,12 +59,14 @@ class AgentClient:
         key: bytes,
         timeout: float = 10.0,
         scope: str | None = None,
+        ca_file: str | None = None,
     ) -> None:
         self.address = address
         self.port = port
         self.key = key
         self.timeout = timeout
         self.scope = scope
+        self.tls = listener.client_tls(ca_file) if ca_file and port else None
 
     @property
     def name(self) -> str:
@@ -70,6 +75,10 @@ class AgentClient:
     def _connection(self, timeout: float) -> http.client.HTTPConnection:
         if self.port == 0:
             return _UnixHTTPConnection(self.address, timeout)
+        if self.tls is not None:
+            return http.client.HTTPSConnection(
+                self.address, self.port, timeout=timeout, context=self.tls
+            )
         return http.client.HTTPConnection(self.address, self.port, timeout=timeout)
 
     def request(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from oslo_config import cfg
+from oslo_log import log
 
 from agents.agent.client import DEFAULT_PORT
 from flexmig.migration import options as migration_options
@@ -25,6 +26,58 @@ agent_opts = [
         required=True,
         help="File holding the deployment's shared key (at least 16 bytes) that "
         "signs every request between agents, the CLI and the Nova driver.",
+    ),
+    cfg.StrOpt(
+        "tls_cert_file",
+        help="PEM certificate (with its chain) the control API serves over TLS, "
+        "issued by the deployment's CA for this host's management address. "
+        "Set with tls_key_file and tls_ca_file; unset means plain HTTP.",
+    ),
+    cfg.StrOpt("tls_key_file", help="PEM private key of tls_cert_file."),
+    cfg.StrOpt(
+        "tls_ca_file",
+        help="The deployment's CA bundle: verifies the TLS certificates of peer "
+        "agents this agent calls. Required when tls_cert_file is set.",
+    ),
+    cfg.FloatOpt(
+        "socket_timeout",
+        default=10.0,
+        min=0.1,
+        max=300.0,
+        help="Seconds a client has to send its whole request (TLS handshake, "
+        "headers and body) once connected; a connection that sends nothing "
+        "for this long is closed without ever taking a worker.",
+    ),
+    cfg.IntOpt(
+        "workers",
+        default=16,
+        min=1,
+        max=256,
+        help="Requests handled at once (a bounded pool); requests beyond "
+        "workers + max_queued are refused by closing the connection.",
+    ),
+    cfg.IntOpt(
+        "max_queued",
+        default=64,
+        min=0,
+        max=4096,
+        help="Requests that have started arriving and wait for a worker.",
+    ),
+    cfg.IntOpt(
+        "max_idle_connections",
+        default=1024,
+        min=1,
+        max=65536,
+        help="Connections that sent nothing yet; beyond this the oldest is closed.",
+    ),
+    cfg.BoolOpt(
+        "allow_orchestration",
+        default=True,
+        help="Serve the routes that start and plan migrations on this agent's "
+        "own initiative (POST /v1/migrations, /v1/plan and the mover's "
+        "routes under /v1/mover/). Set to false on hosts where Nova drives live "
+        "migration, so no holder of the shared key can move VMs behind "
+        "Nova's back: those routes then answer 403.",
     ),
     cfg.StrOpt("libvirt_uri", default="qemu:///system", help="This host's libvirt."),
     cfg.StrOpt(
@@ -76,8 +129,24 @@ def register_opts(conf: cfg.ConfigOpts) -> None:
 # tests) must not find required [agent] options on their global cfg.CONF.
 CONF = cfg.ConfigOpts()
 register_opts(CONF)
+log.register_options(CONF)
 
 
 def list_opts() -> list[tuple[str, list[cfg.Opt]]]:
     """For oslo-config-generator."""
     return [("agent", agent_opts), *migration_options.list_opts()]
+
+
+def check_tls(conf: cfg.ConfigOpts) -> None:
+    """TLS is all three files or none."""
+    files = {
+        "tls_cert_file": conf.agent.tls_cert_file,
+        "tls_key_file": conf.agent.tls_key_file,
+        "tls_ca_file": conf.agent.tls_ca_file,
+    }
+    given = [name for name, value in files.items() if value]
+    if given and len(given) != len(files):
+        missing = sorted(set(files) - set(given))
+        raise cfg.ConfigFileValueError(
+            f"[agent] TLS needs tls_cert_file, tls_key_file and tls_ca_file; missing {missing}"
+        )

@@ -19,7 +19,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from agents.agent import inventory, movers, privileged
+from agents.agent import auth, inventory, movers, privileged
 from agents.agent.client import AgentClient
 from agents.agent.offload_hook import OffloadHook
 from flexmig import exceptions, hypervisor
@@ -339,12 +339,15 @@ class MigrationService:
     def _start_movers(
         self, record: MigrationRecord, plan: Plan, dest: Destination
     ) -> movers.MoverSet:
-        token = movers.new_token()  # scoped to this migration, never reused
+        # Scoped to this migration and never sent: the destination derives the
+        # same token from the salt and the key this request is signed with.
+        salt = movers.new_token_salt()
+        token = auth.mover_token(dest.agent.key, record.id, salt)
         # QEMU's multifd opens the main connection and one per channel.
         streams = plan.parallel + 1 if plan.parallel > 1 else 1
         ports = dest.agent.post(
             "/v1/mover/receive",
-            {"migration_id": record.id, "token": token, "streams": streams},
+            {"migration_id": record.id, "token_salt": salt, "streams": streams},
         )["ports"]
         try:
             return movers.start_senders(

@@ -39,7 +39,8 @@ SUMMED_STATS = ("bytes", "batches", "reverse_bytes", "cpu_user_s", "cpu_sys_s", 
 _next_port = [0]
 
 
-def new_token() -> str:
+def new_token_salt() -> str:
+    """Random input of auth.mover_token, fresh for every migration."""
     return secrets.token_hex(24)
 
 

@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import re
 import socket
+import ssl
 import sys
 import threading
 import time
@@ -13,9 +14,20 @@ from pathlib import Path
 from typing import Any
 
 from oslo_config import cfg
+from oslo_log import log
 from oslo_privsep import daemon as privsep_daemon
 
-from agents.agent import api, auth, config, facts, inventory, movers, offload_hook, privileged
+from agents.agent import (
+    api,
+    auth,
+    config,
+    facts,
+    inventory,
+    listener,
+    movers,
+    offload_hook,
+    privileged,
+)
 from agents.agent.client import AgentClient
 from agents.agent.migrations import Destination, MigrationService
 from agents.agent.split_store import ChunkFlusher, ResidencyKeeper, SplitStore
@@ -70,13 +82,14 @@ class Agent:
         r.add("POST", "/v1/split/cleanup", self.split_cleanup)
         r.add("GET", r"/v1/split/(?P<vm>[^/]+)", self.split_status)
         r.add("POST", "/v1/incoming/writeback", self.incoming_writeback)
-        r.add("POST", "/v1/plan", self.plan)
+        # Read-only: Nova's drain (nova_driver.drain) asks it too.
         r.add("POST", "/v1/inventory", self.inventory)
+        # Movers: the agents' own migrations and Nova's driver (which drives
+        # libvirt itself and asks both agents for movers by migration id) use
+        # them, so they stay open when orchestration is off.
         r.add("POST", "/v1/mover/receive", self.mover_receive)
         r.add("POST", "/v1/mover/send", self.mover_send)
         r.add("POST", "/v1/mover/finish", self.mover_finish)
-        # Movers started for callers that drive libvirt themselves (the Nova
-        # driver), by migration id; the agent's own migrations keep theirs.
         self.receivers: dict[str, movers.MoverSet] = {}
         self.senders: dict[str, movers.MoverSet] = {}
         # A migrating VM's offloaded flows: the destination's side (from the peer
@@ -87,16 +100,34 @@ class Agent:
         r.add("POST", "/v1/offload/depart", self.offload_depart)
         r.add("POST", "/v1/offload/finish", self.offload_finish)
         r.add("POST", "/v1/offload/restore", self.offload_restore)
-        r.add("POST", "/v1/migrations", self.migrate)
-        r.add("GET", r"/v1/migrations/(?P<id>[0-9a-f]+)", self.migration_status)
-        r.add(
-            "GET",
-            "/v1/migrations",
-            lambda b, m: (
-                200,
-                {"migrations": [rec.as_dict() for rec in self.migrations.records.values()]},
-            ),
-        )
+        # Routes that plan or move VMs on the agents' own initiative.
+        orchestrate = self._orchestration
+        r.add("POST", "/v1/plan", orchestrate(self.plan))
+        r.add("POST", "/v1/migrations", orchestrate(self.migrate))
+        r.add("GET", r"/v1/migrations/(?P<id>[0-9a-f]+)", orchestrate(self.migration_status))
+        r.add("GET", "/v1/migrations", orchestrate(self.list_migrations))
+
+    def _orchestration(self, handler: api.Handler) -> api.Handler:
+        if self.conf.agent.allow_orchestration:
+            return handler
+
+        def refuse(_body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+            raise api.Forbidden(
+                reason="this host's migrations are driven by Nova; the agent's own "
+                "orchestration is disabled ([agent] allow_orchestration = false)"
+            )
+
+        return refuse
+
+    def list_migrations(
+        self, body: dict[str, Any], _m: re.Match[str]
+    ) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {})
+        return 200, {"migrations": [rec.as_dict() for rec in self.migrations.records.values()]}
+
+    def peer(self, address: str, port: int) -> AgentClient:
+        """A client for another agent: TLS against the deployment's CA when this one serves TLS."""
+        return AgentClient(address, port, self.key, ca_file=self.conf.agent.tls_ca_file)
 
     def get_facts(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         api.check_fields(body, {})
@@ -140,7 +171,7 @@ class Agent:
             if not isinstance(peer, dict):
                 raise api.BadRequest(reason="each peer is an object with address and port")
             api.check_fields(peer, {"address": str, "port": int})
-            client = AgentClient(peer["address"], peer["port"], self.key)
+            client = self.peer(peer["address"], peer["port"])
             dest = Destination(agent=client, libvirt_uri="", migration_uri="")
             links[peer["address"]] = dataclasses.asdict(self.migrations.link(dest))
         busy = {
@@ -235,10 +266,12 @@ class Agent:
         return 200, {"vm": vm, "writeback": "off", "rounds": self._stop_flusher(vm)}
 
     def mover_receive(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
-        api.check_fields(body, {"migration_id": str, "token": str}, {"streams": int})
-        mid, token, streams = body["migration_id"], body["token"], body.get("streams", 1)
-        if not re.fullmatch(r"[0-9a-f]{6,32}", mid) or not 32 <= len(token) <= 63:
-            raise api.BadRequest(reason="migration_id must be hex, token 32..63 characters")
+        api.check_fields(body, {"migration_id": str, "token_salt": str}, {"streams": int})
+        mid, salt, streams = body["migration_id"], body["token_salt"], body.get("streams", 1)
+        if not re.fullmatch(r"[0-9a-f]{6,32}", mid) or not re.fullmatch(r"[0-9a-f]{32,64}", salt):
+            raise api.BadRequest(reason="migration_id must be hex, token_salt 32..64 hex digits")
+        # The token itself never crosses the network: both ends derive it.
+        token = auth.mover_token(self.key, mid, salt)
         if not 1 <= streams <= movers.MAX_STREAMS:
             raise api.BadRequest(reason=f"streams must be 1..{movers.MAX_STREAMS}")
         if mid in self.receivers:
@@ -254,10 +287,10 @@ class Agent:
     def mover_send(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         """Sending movers towards a destination's receivers; QEMU is pointed at the
         returned URI by whoever drives libvirt (the Nova driver)."""
-        api.check_fields(body, {"migration_id": str, "token": str, "peer": str, "ports": list})
-        mid, ports = body["migration_id"], body["ports"]
-        if not re.fullmatch(r"[0-9a-f]{6,32}", mid) or not 32 <= len(body["token"]) <= 63:
-            raise api.BadRequest(reason="migration_id must be hex, token 32..63 characters")
+        api.check_fields(body, {"migration_id": str, "token_salt": str, "peer": str, "ports": list})
+        mid, salt, ports = body["migration_id"], body["token_salt"], body["ports"]
+        if not re.fullmatch(r"[0-9a-f]{6,32}", mid) or not re.fullmatch(r"[0-9a-f]{32,64}", salt):
+            raise api.BadRequest(reason="migration_id must be hex, token_salt 32..64 hex digits")
         if not ports or not all(isinstance(p, int) and p in movers.PORT_RANGE for p in ports):
             raise api.BadRequest(reason=f"ports must be in {movers.PORT_RANGE}")
         if mid in self.senders:
@@ -268,7 +301,8 @@ class Agent:
             body["peer"],
             ports,
             mid,
-            body["token"],
+            # The same token the destination derived for its receivers.
+            auth.mover_token(self.key, mid, salt),
         )
         return 200, {"uri": "unix://" + movers.socket_path(self.conf.agent.state_dir, mid)}
 
@@ -323,7 +357,7 @@ class Agent:
     def _offload_peer(self, body: dict[str, Any]) -> AgentClient:
         peer = body["dest"]
         api.check_fields(peer, {"address": str, "port": int})
-        return AgentClient(peer["address"], peer["port"], self.key)
+        return self.peer(peer["address"], peer["port"])
 
     def offload_depart(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         api.check_fields(body, {"migration_id": str, "vm": str, "dest": dict})
@@ -350,7 +384,7 @@ class Agent:
 
     def _destination(self, body: dict[str, Any]) -> Destination:
         api.check_fields(body, DEST_FIELDS)
-        client = AgentClient(body["address"], body["port"], self.key)
+        client = self.peer(body["address"], body["port"])
         return Destination(
             agent=client, libvirt_uri=body["libvirt_uri"], migration_uri=body["migration_uri"]
         )
@@ -398,6 +432,21 @@ class Agent:
         return 200, self.migrations.get(m.group("id")).as_dict()
 
 
+def limits(conf: cfg.ConfigOpts) -> listener.Limits:
+    return listener.Limits(
+        socket_timeout=conf.agent.socket_timeout,
+        workers=conf.agent.workers,
+        max_queued=conf.agent.max_queued,
+        max_idle_connections=conf.agent.max_idle_connections,
+    )
+
+
+def tls(conf: cfg.ConfigOpts) -> ssl.SSLContext | None:
+    if not conf.agent.tls_cert_file:
+        return None
+    return listener.server_tls(conf.agent.tls_cert_file, conf.agent.tls_key_file)
+
+
 def main(argv: list[str] | None = None) -> int:
     conf = config.CONF
     try:
@@ -405,6 +454,7 @@ def main(argv: list[str] | None = None) -> int:
         conf(args, project="flexmig", prog="flexmig-agent")
         # oslo.privsep reads its [privsep_agent] group from the global object.
         cfg.CONF(args, project="flexmig", prog="flexmig-agent", default_config_files=[])
+        config.check_tls(conf)
         agent = Agent(conf)
         privileged.start()
         servers = api.make_servers(
@@ -413,20 +463,23 @@ def main(argv: list[str] | None = None) -> int:
             conf.agent.unix_socket,
             auth.Verifier(agent.key),
             agent.router,
+            limits(conf),
+            tls(conf),
         )
     except (
         cfg.Error,
         exceptions.FlexMigError,
-        OSError,
+        OSError,  # ssl.SSLError too: an unreadable certificate or key
         privsep_daemon.FailedToDropPrivileges,
     ) as exc:
         print(f"flexmig-agent: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    log.setup(conf, "flexmig-agent")
     LOG.info(
-        "listening on %s:%d%s",
+        "listening on %s:%d (%s)%s",
         conf.agent.listen_address,
         conf.agent.port,
+        "TLS" if conf.agent.tls_cert_file else "plain HTTP",
         f" and {conf.agent.unix_socket}" if conf.agent.unix_socket else "",
     )
     for server in servers[1:]:

@@ -303,6 +303,14 @@ class MigrationJob:
             f"{self.config.end_timeout_s:.0f} s of the interruption: {where}"
         )
 
+    def _runs_on_source(self) -> bool:
+        try:
+            state = self._call(self.dom.state, "report the VM's state")
+        except (libvirt.libvirtError, exceptions.Timeout):
+            return False
+        code, _reason = state  # type: ignore[misc]
+        return code == libvirt.VIR_DOMAIN_RUNNING
+
     def _landed_on_destination(self) -> bool:
         """Whether the source gave the VM up as migrated and it runs on the destination."""
         try:
@@ -349,6 +357,13 @@ class MigrationJob:
         flags = self.flags() | libvirt.VIR_MIGRATE_POSTCOPY_RESUME
         attempt = 0
         while time.monotonic() < deadline:
+            if self._runs_on_source():
+                # The switch was accepted but postcopy never took over (libvirt
+                # 11 seen here): libvirt rolled back and the VM runs whole.
+                self.result.state = "failed"
+                self.result.error = "postcopy never took over; the VM runs on the source"
+                self.on_event(self.result.error)
+                return
             if self._landed_on_destination():
                 # libvirt's control connection broke but QEMU's own stream
                 # survived the cut: nothing to resume, the VM runs there.

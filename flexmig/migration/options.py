@@ -9,6 +9,7 @@ set them.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from oslo_config import cfg, types
 
@@ -165,6 +166,12 @@ def read(conf: cfg.ConfigOpts) -> EngineOptions:
             values[opt.dest] = getattr(group, opt.dest)
         except (cfg.ConfigFileValueError, ValueError) as exc:
             raise InvalidConfig(group=GROUP, option=opt.name, reason=str(exc)) from exc
+        # oslo.config's bounds compare false against NaN, so "nan" passes them.
+        value = values[opt.dest]
+        if isinstance(value, float) and not math.isfinite(value):
+            raise InvalidConfig(
+                group=GROUP, option=opt.name, reason=f"{value} is not a finite number"
+            )
     if not values["allowed_modes"]:
         raise InvalidConfig(group=GROUP, option="allowed_modes", reason="name at least one mode")
     if len(set(values["dirty_sample_seconds"])) < 2:

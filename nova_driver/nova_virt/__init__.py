@@ -1,7 +1,11 @@
-"""``nova.virt.nova_driver``: where Nova looks for ``compute_driver = nova_driver.…``.
+"""``nova.virt.flexmig``: where Nova finds ``compute_driver = flexmig.FlexMigLibvirtDriver``.
 
-Nova 34 loads its compute driver as ``nova.virt.<compute_driver>``, so the
-documented ``compute_driver = nova_driver.driver.FlexMigLibvirtDriver`` is
-imported as ``nova.virt.nova_driver.driver``.  setup.py installs this package
-under that name; it only re-exports the driver.
+Nova 34 imports its compute driver as ``nova.virt.<compute_driver>`` (as it
+does ``libvirt.LibvirtDriver``), so FlexMig installs this package under that
+name (setup.py maps it onto ``nova_driver/nova_virt``).  It only re-exports
+the driver, which lives in ``nova_driver.driver``.
 """
+
+from nova_driver.driver import FlexMigLibvirtDriver
+
+__all__ = ["FlexMigLibvirtDriver"]

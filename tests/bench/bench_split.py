@@ -202,7 +202,7 @@ def write(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
     header = [
         f"# Split vs enough RAM vs conventional swap ({datetime.date.today()})",
         "",
-        f"Command: `flock -x /work/wt/lab.lock {command}`",
+        f"Command: `{command}`",
         "",
         f"Lab: 2 hosts, {RAM_MIB} MiB TCG guest `{WORKLOAD}`, file-backed (swap: anonymous), "
         f"stream capped at {BANDWIDTH_MIB} MiB/s; split-N: B offers N % of the VM's RAM as its "

@@ -1,6 +1,6 @@
 """A VM with offloaded flows, live-migrated: loss, re-offload time, counters, convergence.
 
-    flock -x /work/wt/lab.lock .venv/bin/python -m tests.bench.offload_migration \\
+    .venv/bin/python -m tests.bench.offload_migration \\
         [--runs N] [--out docs/benchmarks/offload-migration.md]
 
 A two-host lab; flexmig-offload (XDP eSwitch) on both hosts; a VM whose guest
@@ -47,7 +47,7 @@ statistics:
   window_s: 0.5
   promote_pps: 1000000
   demote_pps: 1
-  demote_intervals: 50
+  demote_intervals: 10000
 """
 ONLOAD_POLICY = """\
 capacity: 64
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not 1 <= args.runs <= 10:
         parser.error("--runs must be 1..10")
-    command = "flock -x /work/wt/lab.lock .venv/bin/python -m tests.bench.offload_migration " + (
+    command = ".venv/bin/python -m tests.bench.offload_migration " + (
         " ".join(argv if argv is not None else sys.argv[1:])
     )
     lab = Lab()

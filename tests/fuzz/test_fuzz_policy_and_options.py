@@ -131,6 +131,8 @@ def option_files(draw):
 
 
 @given(option_files())
+@example(("flexmig", "[flexmig]\nagent_timeout = NAN\n"))  # found by this fuzzer: was accepted
+@example(("offload", "[offload]\npoll_interval = NAN\n"))  # likewise
 def test_any_option_value_is_accepted_within_its_bounds_or_refused(case):
     group, text = case
     try:

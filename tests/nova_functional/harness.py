@@ -34,7 +34,7 @@ from agents.agent.service import Agent
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 API_PASTE = os.path.join(ROOT, ".cache", "nova", "api-paste.ini")
-DRIVER = "nova_driver.driver.FlexMigLibvirtDriver"
+DRIVER = "flexmig.FlexMigLibvirtDriver"
 MIB = 2**20
 PAGE = 4096
 TEST_KEY = b"flexmig-nova-functional-test-key"

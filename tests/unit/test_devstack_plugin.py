@@ -70,7 +70,7 @@ def test_install_installs_flexmig_and_builds_the_mover_and_writes_no_config(stac
 def test_post_config_points_nova_at_flexmig_with_every_option(stack):
     stack.run("stack:install", "stack:post-config")
     nova = ini(stack.path("NOVA_CONF"))
-    assert nova["DEFAULT"]["compute_driver"] == "nova_driver.driver.FlexMigLibvirtDriver"
+    assert nova["DEFAULT"]["compute_driver"] == "flexmig.FlexMigLibvirtDriver"
     assert dict(nova["flexmig"]) == {
         "agent_port": "9797",
         "agent_key_file": str(conf_dir(stack) / "agent.key"),
@@ -132,6 +132,8 @@ def test_post_config_writes_an_agent_config_the_agent_accepts(stack):
     assert conf.agent.memory_budget_mb == 0
     assert conf.agent.cgroup_parent == "flexmig"
     assert conf.agent.libvirt_uri == "qemu:///system"
+    # Nova drives migrations under DevStack: the agent's own orchestration is off.
+    assert conf.agent.allow_orchestration is False
 
 
 def test_generated_key_is_private_to_the_stack_user_and_generated_once(stack):

@@ -153,3 +153,14 @@ def test_a_switch_made_without_an_answer_is_known_and_then_bounded(monkeypatch):
     assert "abort" not in dom.calls and "pause-postcopy" in dom.calls
     assert result.state == "failed" and "split between the hosts" in (result.error or "")
     assert took < 10.0
+
+
+def test_a_postcopy_that_never_took_over_is_reported_with_the_vm_on_the_source(monkeypatch):
+    # The switch answered, then the job failed while the source still runs:
+    # libvirt rolled back, so there is nothing to resume.
+    dom = WedgedDomain(abort_answers=True)
+    dom.migrateStartPostCopy = lambda: dom.ended.set()  # type: ignore[method-assign]
+    result, events, took = _run(monkeypatch, dom)
+    assert result.switched_to_postcopy and result.state == "failed"
+    assert result.error == "postcopy never took over; the VM runs on the source"
+    assert took < 5.0

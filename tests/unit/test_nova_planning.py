@@ -23,7 +23,9 @@ def test_offer_survives_nova_rpc_serialisation() -> None:
         free_for_vms_bytes=400 * MIB,
         store_free_bytes=8192 * MIB,
         split_budget_bytes=240 * MIB,
-        mover={"migration_id": "ab" * 16, "token": "t" * 48, "ports": [7471, 7472]},
+        mover=migrate_data.MoverOffer(
+            migration_id="ab" * 16, token_salt="5a" * 24, address="10.250.0.12", ports=(7471, 7472)
+        ),
     )
     data = nova_migrate_data.LibvirtLiveMigrateData(block_migration=False, bdms=[])
     extended = migrate_data.FlexMigLiveMigrateData.extend(data, offer)
@@ -34,6 +36,9 @@ def test_offer_survives_nova_rpc_serialisation() -> None:
     assert migrate_data.offer_of(data) is None
 
 
-def test_a_garbled_offer_is_a_clear_error() -> None:
-    with pytest.raises(Exception, match="cannot read the destination offer"):
-        migrate_data.DestinationOffer.from_json('{"agent_address": 1}')
+def test_an_incomplete_offer_is_a_clear_error() -> None:
+    offer = migrate_data.FlexMigOffer(agent_address="10.250.0.12", agent_port=9797)
+    data = migrate_data.FlexMigLiveMigrateData(flexmig_offer=offer)
+    received = obj_base.NovaObject.obj_from_primitive(data.obj_to_primitive())
+    with pytest.raises(Exception, match="the destination offer lacks scope, scoped_key"):
+        migrate_data.offer_of(received)

@@ -148,7 +148,7 @@ def _nova_plan(guest: Guest, dest_free_mib: int, store, split_reserved: bool, **
             live_migration_bandwidth=asked.get("bandwidth_mib", 0),
             live_migration_parallel_connections=asked.get("parallel", 1),
         ),
-        flexmig=types.SimpleNamespace(agent_timeout=10.0),
+        flexmig=types.SimpleNamespace(agent_timeout=10.0, agent_ca_file=None),
     )
     local = FakeAgent({"store_fs_type": facts.filesystem_of(str(store))})
     return planning.plan(

@@ -68,3 +68,16 @@ def test_the_scoped_key_is_not_the_shared_key() -> None:
     headers = auth.sign(SCOPED_KEY, "GET", "/v1/facts", b"", now=NOW)  # no scope header
     with pytest.raises(auth.AuthError, match="bad signature"):
         auth.Verifier(KEY).verify("GET", "/v1/facts", headers, b"", now=NOW)
+
+
+@pytest.mark.parametrize("stamp", ["nan", "NaN", "inf", "-inf", "1e999"])
+def test_a_signed_non_finite_timestamp_is_refused(stamp: str) -> None:
+    body = b"{}"
+    headers = auth.sign(KEY, "GET", "/v1/facts", body, now=NOW)
+    headers[auth.HEADER_TS] = stamp
+    # Signed by the key holder, so only the timestamp check can refuse it.
+    headers[auth.HEADER_SIG] = auth._digest(
+        KEY, "GET", "/v1/facts", stamp, headers[auth.HEADER_NONCE], body
+    )
+    with pytest.raises(auth.AuthError):
+        auth.Verifier(KEY).verify("GET", "/v1/facts", headers, body, now=NOW)

@@ -23,8 +23,12 @@ from tests.devstack_standin.node import REPO, ini, make_stack
 
 ZUUL = REPO / ".zuul.yaml"
 PRE_RUN = REPO / "playbooks" / "flexmig-live-migration" / "pre.yaml"
-# Parents defined by other projects (openstack/nova's .zuul.yaml).
-EXTERNAL_PARENTS = {"nova-live-migration"}
+# Parents defined by other projects (openstack/nova's and openstack-zuul-jobs').
+EXTERNAL_PARENTS = {"nova-live-migration", "openstack-tox-functional-py311"}
+# OpenStack's templates: tox -e pep8 / pyXY, docs, releasenotes.
+TEMPLATES = ["openstack-python3-jobs", "publish-openstack-docs-pti", "release-notes-jobs-python3"]
+TOX_JOBS = ["flexmig-tox-functional"]
+TOX_INI = REPO / "tox.ini"
 PLUGIN_URL = "https://opendev.org/x/flexmig"
 JOBS = ["flexmig-live-migration", "flexmig-live-migration-split"]
 ROLES = ["controller", "subnode"]
@@ -85,7 +89,7 @@ def localrc_lines(variables: dict[str, Any], key_source: Path) -> str:
 
 def test_jobs_derive_from_novas_live_migration_job():
     jobs, _ = load_zuul()
-    assert sorted(jobs) == sorted(JOBS)
+    assert sorted(jobs) == sorted(JOBS + TOX_JOBS)
     assert jobs["flexmig-live-migration"]["parent"] == "nova-live-migration"
     assert jobs["flexmig-live-migration-split"]["parent"] == "flexmig-live-migration"
     for job in jobs.values():
@@ -98,7 +102,21 @@ def test_pipelines_run_only_jobs_defined_here():
     assert len(projects) == 1
     for pipeline in ("check", "gate"):
         listed = projects[0][pipeline]["jobs"]
-        assert set(listed) == set(JOBS), pipeline
+        assert set(listed) == set(JOBS + TOX_JOBS), pipeline
+    assert projects[0]["templates"] == TEMPLATES
+
+
+def test_tox_jobs_run_environments_tox_ini_defines():
+    """The templates' jobs run tox -e pep8, pyXY, docs, releasenotes; ours functional."""
+    jobs, _ = load_zuul()
+    defined = set(re.findall(r"^\[testenv:([a-z0-9]+)\]", TOX_INI.read_text(), re.MULTILINE))
+    assert {"pep8", "py3", "docs", "releasenotes", "functional", "genconfig"} <= defined
+    for name in TOX_JOBS:
+        assert jobs[name]["vars"]["tox_envlist"] in defined
+        run = yaml.safe_load((REPO / jobs[name]["run"]).read_text())
+        command = run[0]["tasks"][0]["command"]
+        assert command.endswith(f"-e {jobs[name]['vars']['tox_envlist']}")
+        assert run[0]["tasks"][0]["become"] is True  # the lab needs root
 
 
 def test_playbooks_named_by_jobs_exist():

@@ -97,6 +97,9 @@ CONFIG_OPTS = [
     cfg.StrOpt(
         "bpf_object",
         default=str(ESWITCH_OBJECT),
+        # The default is where this installation built it: say so in samples
+        # instead of writing one machine's path into them.
+        sample_default="<the installed ovs_ext package>/providers/xdp/build/eswitch.bpf.o",
         help="The compiled eSwitch (built by tools/setup.sh).",
     ),
 ]
