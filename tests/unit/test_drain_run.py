@@ -52,7 +52,8 @@ IDLE = DirtyModel(0, 1)
 
 
 def vm(name, touched=64, dirty=IDLE, postcopy=None):
-    return drain.DrainVM(name, 256 * MIB, touched * MIB, dirty, True, postcopy_blocker=postcopy)
+    """``postcopy``: a filesystem userfaultfd cannot serve, holding its memory file."""
+    return drain.DrainVM.sized(name, 256 * MIB, touched * MIB, dirty, True, postcopy or "tmpfs")
 
 
 HOSTS = [drain.Candidate("B", 8192 * MIB, 8192 * MIB), drain.Candidate("C", 8192 * MIB, 8192 * MIB)]
@@ -129,7 +130,7 @@ def test_a_slow_migration_makes_the_rest_replanned():
 
 
 def test_unplaceable_vms_are_in_the_report_and_never_started():
-    vms = [vm("a"), drain.DrainVM("huge", 9000 * MIB, MIB, DirtyModel(0, 1), False)]
+    vms = [vm("a"), drain.DrainVM.sized("huge", 9000 * MIB, MIB, DirtyModel(0, 1))]
     backend = ClockBackend({"a": 0.02})
     _, runner = run(vms, backend)
     report = runner.run()
@@ -140,7 +141,11 @@ def test_unplaceable_vms_are_in_the_report_and_never_started():
 @pytest.mark.parametrize("max_concurrency", [1, 4])
 def test_split_waits_for_its_destination(max_concurrency):
     hosts = [drain.Candidate("B", 1200 * MIB, 8192 * MIB)]
-    vms = [vm("a"), vm("b"), drain.DrainVM("big", 1024 * MIB, 200 * MIB, DirtyModel(0, 1), True)]
+    vms = [
+        vm("a"),
+        vm("b"),
+        drain.DrainVM.sized("big", 1024 * MIB, 200 * MIB, DirtyModel(0, 1), True),
+    ]
     plan = drain.plan("A", vms, hosts, FAST, max_concurrency)
     big = next(m for m in plan.moves if m.vm == "big")
     assert big.mode == "split" and set(big.waits_for) == {"a", "b"}
