@@ -9,7 +9,7 @@ pytest.importorskip("nova", reason="Nova is not installed (tools/setup.sh instal
 from nova.objects import base as obj_base  # noqa: E402
 from nova.objects import migrate_data as nova_migrate_data  # noqa: E402
 
-from nova_driver import migrate_data  # noqa: E402
+from nova_driver import migrate_data, planning  # noqa: E402
 
 MIB = 2**20
 
