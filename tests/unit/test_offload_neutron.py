@@ -8,7 +8,7 @@ from os_ken.ofproto import ofproto_v1_3 as ofp
 from os_ken.ofproto import ofproto_v1_3_parser as ofpp
 from oslo_config import cfg
 
-from ovs_ext import config, flows, neutron, policy
+from ovs_ext import config, flows, neutron, neutron_agent_ext, policy
 from ovs_ext.control import OffloadControl
 from ovs_ext.dispatcher import Dispatchers
 from ovs_ext.flows import FlowState
@@ -233,3 +233,73 @@ def test_neutron_mode_refuses_a_bad_combination():
 def test_bad_options_are_refused(name, value):
     with pytest.raises(ValueError):
         _conf(**{name: value})
+
+
+# -- the L2 agent extension in Neutron's OVS agent -----------------------------------------
+class Vif:
+    def __init__(self, name):
+        self.port_name = name
+        self.ofport = 5
+
+
+def _details(port_id, name, security=False, qos=None, network_qos=None, network="net1"):
+    return {
+        "port_id": port_id, "device": port_id, "network_id": network,
+        "port_security_enabled": security, "qos_policy_id": qos,
+        "network_qos_policy_id": network_qos, "vif_port": Vif(name),
+    }  # fmt: skip
+
+
+def _extension(tmp_path):
+    conf = cfg.ConfigOpts()
+    ext = neutron_agent_ext.FlexMigOffloadExtension(conf)
+    conf([], project="flexmig-test")
+    conf.set_override("ports_file", str(tmp_path / "run" / "ports.json"), "flexmig_offload")
+    ext.initialize(None, "ovs")
+    return ext, tmp_path / "run" / "ports.json"
+
+
+def test_extension_is_a_neutron_l2_agent_extension():
+    from neutron_lib.agent import l2_extension
+
+    assert issubclass(neutron_agent_ext.FlexMigOffloadExtension, l2_extension.L2AgentExtension)
+    neutron_agent_ext.FlexMigOffloadExtension(cfg.ConfigOpts())  # nothing left abstract
+
+
+def test_extension_writes_what_the_offload_guard_reads(tmp_path):
+    ext, path = _extension(tmp_path)
+    assert neutron.parse_port_facts(json.loads(path.read_text())) == {}
+    ext.handle_port(None, _details("p1", "tapp1"))
+    ext.handle_port(None, _details("p2", "tapp2", security=True))
+    ext.handle_port(None, _details("p3", "tapp3", network_qos="q9"))
+    ext.handle_port(None, {"port_id": "p4", "network_id": "n"})  # no OVS port: skipped
+    facts = neutron.parse_port_facts(json.loads(path.read_text()))
+    assert facts == {
+        "tapp1": neutron.PortFacts("p1", "net1", False),
+        "tapp2": neutron.PortFacts("p2", "net1", True),
+        "tapp3": neutron.PortFacts("p3", "net1", False, "q9"),
+    }
+    guard = neutron.NeutronGuard(str(path))
+    match = FlowMatch("tapp1", 17, "10.0.0.1", "10.0.0.2", 1, 2)
+    assert "port tapp2 has port security" in guard.why_not(match, "tapp2")
+    ext.delete_port(None, {"port_id": "p2"})
+    ext.delete_port(None, {"port_id": "unknown"})
+    assert set(json.loads(path.read_text())["ports"]) == {"tapp1", "tapp3"}
+
+
+def test_extension_removes_the_file_when_it_cannot_write_it(tmp_path):
+    ext, path = _extension(tmp_path)
+    ext.handle_port(None, _details("p1", "tapp1"))
+    assert path.exists()
+    path.parent.chmod(0o500)
+    try:
+        if os.access(path.parent, os.W_OK):  # root ignores the mode: make it a directory
+            path.parent.chmod(0o700)
+            path.unlink()
+            path.mkdir()
+            (path / "x").write_text("")  # os.replace onto a non-empty directory fails
+        ext.handle_port(None, _details("p2", "tapp2"))
+    finally:
+        path.parent.chmod(0o700)
+    guard = neutron.NeutronGuard(str(path))
+    assert guard.why_not(FlowMatch("tapp1", 17, "1.1.1.1", "1.1.1.2", 1, 2), "tapp2")
