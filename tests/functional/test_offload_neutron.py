@@ -235,7 +235,9 @@ def test_app_leaves_neutrons_controller_rules_and_counters_alone(nlab):
 def test_security_group_drops_stay_dropped_and_secured_ports_stay_onloaded(nlab):
     host, service, eps, golden = nlab
     denied_dport = 5301
-    drops_before = rule_packets(host, 93, "priority=0")
+    # Table 72's catch-all: the security group's drop of IPv4 it does not allow
+    # (table 93 also drops the endpoint's own IPv6 chatter, via table 71).
+    drops_before = rule_packets(host, 72, "priority=0")
     packets = 8000  # an elephant: 2 s above promote_pps
     receiver = receive(eps, denied_dport, packets)
     send(eps, "s1", 42002, denied_dport, packets)
@@ -245,7 +247,7 @@ def test_security_group_drops_stay_dropped_and_secured_ports_stay_onloaded(nlab)
     assert flow["state"] == "onloaded" and flow["moves"] == 0, flow
     assert "port ep-s1 has port security" in flow["reason"], flow
     assert received == 0
-    assert rule_packets(host, 93, "priority=0") - drops_before == packets
+    assert rule_packets(host, 72, "priority=0") - drops_before == packets
     # An allowed elephant from the secured port is delivered, still through OVS.
     receiver = receive(eps, ALLOWED_DPORT, packets)
     send(eps, "s1", 42003, ALLOWED_DPORT, packets)
