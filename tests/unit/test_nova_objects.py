@@ -2,8 +2,9 @@
 
 A change to a field (or to the LibvirtLiveMigrateData fields a new Nova brings)
 changes the hash: bump the object's VERSION, teach obj_make_compatible the old
-one (and PARENT_VERSIONS the parent it extends), then update the hash here.  (No FlexMig release has shipped these objects yet:
-until the first tag, 1.0 still changes in place.)
+one (and PARENT_VERSIONS the parent it extends), then update the hash here.
+(No FlexMig release has shipped these objects yet: until the first tag, 1.0
+still changes in place.)
 """
 
 from __future__ import annotations
