@@ -403,20 +403,22 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         """Before the job (so before switchover): the local agent demotes the VM's
         offloaded flows and hands their records to the destination's agent."""
         migration = getattr(migrate_data, "migration", None)
-        body = {
-            "migration_id": str(getattr(migration, "uuid", None) or instance.uuid),
-            "vm": instance.name,
-            "dest": {"address": offer.agent_address, "port": offer.agent_port},
-        }
         try:
-            reply = self._local_agent().post("/v1/offload/depart", body)
+            facts = planning.destination_agent(
+                offer, CONF.flexmig.agent_timeout, CONF.flexmig.agent_ca_file
+            ).get("/v1/facts")
+            ends = {
+                "migration_id": str(getattr(migration, "uuid", None) or instance.uuid),
+                "dest": planning.peer_endpoint(offer, facts),
+            }
+            reply = self._local_agent().post("/v1/offload/depart", ends | {"vm": instance.name})
         except exceptions.FlexMigError as exc:
             LOG.warning("FlexMig: offloaded flows stay put: %s", exc, instance=instance)
             return
         for text in reply.get("events", []):
             LOG.info("FlexMig %s", text, instance=instance)
         if reply.get("handled"):
-            self._flexmig_flows[instance.uuid] = body
+            self._flexmig_flows[instance.uuid] = ends
 
     def _offload_end(self, instance: Any, failure: str | None) -> None:
         """Success: final counters to the destination, forgotten here.  Failure:

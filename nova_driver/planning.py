@@ -59,6 +59,27 @@ def destination_agent(offer: DestinationOffer, timeout: float, ca_file: str | No
     )
 
 
+def peer_endpoint(offer: DestinationOffer, facts: dict[str, Any]) -> dict[str, Any]:
+    """Where this host's agent reaches the destination's: the address the
+    destination agent gives in its facts (its listen address), else the offer's.
+
+    The offer holds the address the destination's driver uses for its own
+    agent, which may be one only that host can use (a local UNIX socket).
+
+    >>> offer = DestinationOffer("/run/flexmig/agent.sock", 0, "s", "k", 1, 1, None)
+    >>> peer_endpoint(offer, {"agent": {"address": "10.0.0.2", "port": 9797}})
+    {'address': '10.0.0.2', 'port': 9797}
+    >>> peer_endpoint(offer, {})
+    {'address': '/run/flexmig/agent.sock', 'port': 0}
+    """
+    agent = facts.get("agent")
+    if isinstance(agent, dict) and isinstance(agent.get("address"), str):
+        port = agent.get("port")
+        if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
+            return {"address": agent["address"], "port": port}
+    return {"address": offer.agent_address, "port": offer.agent_port}
+
+
 def request_for(
     dom: Any, offer: DestinationOffer, opts: EngineOptions, conf: Any
 ) -> MigrationRequest:
