@@ -373,10 +373,12 @@ def _works(
                 after=p.waits_for,
             )
         )
-    # Solo migrations first (the link is quiet and their timing the least sure),
-    # then longest first (list scheduling's classic rule against a long tail);
-    # a split VM waits for its destination's whole VMs anyway, so it goes last.
-    works.sort(key=lambda w: (not w.solo, bool(w.after), -(w.fixed_s + w.bytes / fabric.share(1))))
+    # A split VM waits for its destination's whole VMs, so it goes last: first
+    # even when it runs solo (a solo migration holds its place in the order,
+    # and one waiting at the head for VMs behind it would block them all).
+    # Then solo migrations first (the link is quiet and their timing the least
+    # sure), then longest first (list scheduling's rule against a long tail).
+    works.sort(key=lambda w: (bool(w.after), not w.solo, -(w.fixed_s + w.bytes / fabric.share(1))))
     return works, chosen
 
 

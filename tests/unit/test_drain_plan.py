@@ -271,3 +271,15 @@ def test_the_engines_allowed_modes_bind_the_drain():
     assert w.solo and w.mode == "precopy", p.explain()
     assert "postcopy is not in [migration] allowed_modes" in w.why
     assert all(m.mode != "postcopy" for m in p.moves)
+
+
+@pytest.mark.parametrize("free_mib", [900, 1000, 1200])
+def test_a_split_vm_that_must_run_solo_waits_at_the_end_not_at_the_head(free_mib):
+    """Found in the lab benchmark's re-plan: a split VM that converges only alone was
+    ordered first as solo, held its place, and waited for the whole VMs behind it."""
+    big = vm("big", mib=1024, touched=256, dirty=WARM, postcopy="ext4")
+    vms = [vm("a"), vm("b"), vm("c"), big]
+    p = drain.plan("A", vms, [host("B", free_mib=free_mib, store_mib=8192)], FAST, 4)
+    last = p.moves[-1]
+    assert (last.vm, last.mode, last.solo) == ("big", "split", True), p.explain()
+    assert all(m.end_s <= last.start_s + 1e-9 for m in p.moves[:-1])

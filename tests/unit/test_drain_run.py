@@ -153,3 +153,20 @@ def test_split_waits_for_its_destination(max_concurrency):
     runner = drain_run.DrainRun(plan, vms, hosts, backend, max_concurrency, print, poll_s=0.01)
     runner.run()
     assert backend.started["big"] >= max(backend.ended["a"], backend.ended["b"])
+
+
+def test_a_failing_replan_leaves_the_drain_running_on_its_plan(monkeypatch):
+    vms = [vm(f"v{i}", touched=200) for i in range(4)]
+    plan = drain.plan("A", vms, HOSTS, FAST, 1)
+    first = plan.moves[0]
+    seconds = {v.name: 0.05 for v in vms}
+    seconds[first.vm] = first.end_s - first.start_s + drain_run.REPLAN_MIN_LATE_S + 0.5
+
+    def broken(*_a, **_k):
+        raise exceptions.InvalidInput(what="drain schedule", reason="cannot be made")
+
+    monkeypatch.setattr(drain, "replan", broken)
+    runner = drain_run.DrainRun(plan, vms, HOSTS, ClockBackend(seconds), 1, print, poll_s=0.01)
+    report = runner.run()
+    assert report.counts() == {"completed": 4}
+    assert len(report.replans) == 1 and "re-plan failed" in report.replans[0]
