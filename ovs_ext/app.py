@@ -28,7 +28,7 @@ from os_ken.controller.handler import CONFIG_DISPATCHER, MAIN_DISPATCHER, set_ev
 from os_ken.lib import hub
 from os_ken.ofproto import ofproto_v1_3
 
-from ovs_ext import flows, openflow
+from ovs_ext import flows, neutron, openflow
 from ovs_ext.control import OffloadControl
 from ovs_ext.providers.base import FlowCounters, FlowMatch, OffloadError
 
@@ -51,6 +51,8 @@ class Runtime:
     stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
     connected: threading.Event = dataclasses.field(default_factory=threading.Event)
     app: OffloadApp | None = None
+    # Beside Neutron's agent (ovs_ext/neutron.py); None: the app owns the bridge.
+    pipeline: neutron.NeutronPipeline | None = None
 
 
 class OffloadApp(app_manager.OSKenApp):
@@ -67,6 +69,8 @@ class OffloadApp(app_manager.OSKenApp):
         self._stats_parts: dict[int, FlowCounters] = {}
         self._learned_parts: dict[FlowMatch, FlowCounters] = {}
         self._stats_sent_at: float | None = None
+        self._handoffs_seen: set[int] = set()
+        self.watched: dict[str, int] = {}
         self._barrier_done = threading.Event()
         self._polls = 0
         self._poller = hub.spawn(self._poll_loop)
@@ -84,7 +88,10 @@ class OffloadApp(app_manager.OSKenApp):
         self.datapath = dp
         # Rules of an earlier run or connection are stale: their flows are forgotten.
         self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto))
-        self.send(openflow.table_miss_rule(dp.ofproto_parser, dp.ofproto))
+        if self.rt.pipeline is None:
+            self.send(openflow.table_miss_rule(dp.ofproto_parser, dp.ofproto))
+        else:  # Neutron's table-0 rules switch what the app does not judge
+            self.send(self.rt.pipeline.set_controller_id(dp.ofproto_parser))
         self.send(dp.ofproto_parser.OFPPortDescStatsRequest(dp, 0))
         self.rt.connected.set()
 
@@ -99,6 +106,7 @@ class OffloadApp(app_manager.OSKenApp):
                 control.port_removed(port)
         self.port_names.clear()
         self.port_numbers.clear()
+        self.watched.clear()
         self.mac_ports.clear()
         self._stats_sent_at = None
 
@@ -131,20 +139,25 @@ class OffloadApp(app_manager.OSKenApp):
             if not dispatchers.watches(name):
                 return
             self.rt.control.port_added(name)
-        dp = self.datapath
-        for mod in openflow.discovery_rules(dp.ofproto_parser, dp.ofproto, ofport):
+        self.watched[name] = ofport
+        for mod in self._port_rules(ofport):
             self.send(mod)
         LOG.info("watching port %s (ofport %d)", name, ofport)
 
     def _port_down(self, ofport: int, name: str) -> None:
         self.port_names.pop(ofport, None)
         self.port_numbers.pop(name, None)
+        self.watched.pop(name, None)
         with self.rt.lock:
             gone = self.rt.control.port_removed(name)
         dp = self.datapath
         for flow in gone:
             self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto, flow.cookie, 2**64 - 1))
-        self.send(openflow.delete_counting_rules(dp.ofproto_parser, dp.ofproto, ofport))
+        self.send(
+            openflow.delete_counting_rules(
+                dp.ofproto_parser, dp.ofproto, ofport, table=self._counting_table
+            )
+        )
         self.mac_ports = {mac: port for mac, port in self.mac_ports.items() if port != name}
         LOG.info("port %s left the bridge; %d flows dropped", name, len(gone))
 
@@ -174,8 +187,8 @@ class OffloadApp(app_manager.OSKenApp):
                 # first one is left uncounted by a per-flow rule: see openflow.py.
                 self.rt.control.flows.count_packet_in(match, msg.total_len)
         if new:
-            rule = openflow.flow_rule(dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match)
-            self.send(rule)
+            build = openflow.flow_rule if self.rt.pipeline is None else self.rt.pipeline.flow_rule
+            self.send(build(dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match))
 
     def _fdb_port(self, mac: str) -> str | None:
         """Where the bridge's own MAC learning put ``mac`` (hosts whose ARP
@@ -217,6 +230,7 @@ class OffloadApp(app_manager.OSKenApp):
             return  # the previous poll is still being answered
         self._stats_parts = {}
         self._learned_parts = {}
+        self._handoffs_seen = set()
         self._stats_sent_at = time.monotonic()
         self.send(openflow.owned_stats_request(dp.ofproto_parser, dp.ofproto))
 
@@ -233,6 +247,7 @@ class OffloadApp(app_manager.OSKenApp):
         rule_stats, self._stats_parts = self._stats_parts, {}
         learned_stats, self._learned_parts = self._learned_parts, {}
         self._stats_sent_at = None
+        self._restore_handoffs()
         with self.rt.lock:
             control = self.rt.control
             try:
@@ -254,7 +269,7 @@ class OffloadApp(app_manager.OSKenApp):
             if ofport is not None:
                 self.send(
                     openflow.delete_counting_rules(
-                        dp.ofproto_parser, dp.ofproto, ofport, flow.match
+                        dp.ofproto_parser, dp.ofproto, ofport, flow.match, self._counting_table
                     )
                 )
 
@@ -263,6 +278,8 @@ class OffloadApp(app_manager.OSKenApp):
         cookie) or a counting rule (by its match)."""
         counters = FlowCounters(stat.packet_count, stat.byte_count)
         flow_id = flows.cookie_flow_id(stat.cookie)
+        if stat.table_id == flows.FLOW_TABLE:
+            self._handoffs_seen.add(stat.cookie)
         if flow_id is not None:
             self._stats_parts[flow_id] = counters
         elif flows.is_counting_cookie(stat.cookie):
@@ -271,7 +288,28 @@ class OffloadApp(app_manager.OSKenApp):
             if match is not None:
                 self._learned_parts[match] = counters
 
+    def _restore_handoffs(self) -> None:
+        """Beside Neutron: re-add the hand-off rules Neutron's resync deleted (it
+        cleans its tables of every cookie it did not reserve)."""
+        if self.rt.pipeline is None or self.datapath is None:
+            return
+        for ofport in neutron.missing_handoffs(self.watched, self._handoffs_seen):
+            LOG.warning("hand-off rule of ofport %d gone (Neutron resync?): re-added", ofport)
+            for mod in self._port_rules(ofport):
+                self.send(mod)
+
     # -- helpers ------------------------------------------------------------------------
+    @property
+    def _counting_table(self) -> int:
+        pipeline = self.rt.pipeline
+        return flows.COUNTING_TABLE if pipeline is None else pipeline.counting_table
+
+    def _port_rules(self, ofport: int) -> list[Any]:
+        dp = self.datapath
+        if self.rt.pipeline is not None:
+            return self.rt.pipeline.port_rules(dp.ofproto_parser, dp.ofproto, ofport)
+        return openflow.discovery_rules(dp.ofproto_parser, dp.ofproto, ofport)
+
     def send(self, msg: Any) -> None:
         dp = self.datapath
         if dp is None:
@@ -288,6 +326,8 @@ class OffloadApp(app_manager.OSKenApp):
         if dp is None:
             return False
         self._barrier_done.clear()
+        if self.rt.pipeline is not None:  # Neutron's rules switch everything
+            self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto))
         for mod in openflow.delete_judging_rules(dp.ofproto_parser, dp.ofproto):
             self.send(mod)
         self.send(dp.ofproto_parser.OFPBarrierRequest(dp))
