@@ -17,6 +17,7 @@ from agents.agent import auth
 from agents.agent.client import AgentClient
 from flexmig import exceptions
 from flexmig.migration import facts, planner
+from flexmig.migration.knobs import HostSoftware
 from flexmig.migration.options import EngineOptions
 from flexmig.migration.planner import Plan
 from flexmig.migration.request import MigrationRequest
@@ -89,11 +90,14 @@ def request_for(
     transport = "mover" if offer.mover else opts.transport
     if transport == "mover" and not offer.mover:
         transport = "qemu-tcp"
+    # Nova's default (1) leaves the connections to the plan, as the agent API's
+    # default does; a larger value is the operator's choice.
+    asked = conf.libvirt.live_migration_parallel_connections
     return MigrationRequest(
         vm=dom.name(),
         bandwidth_mib=conf.libvirt.live_migration_bandwidth or 0,
         transport=transport,
-        parallel=conf.libvirt.live_migration_parallel_connections,
+        parallel=asked if asked > 1 else 0,
     )
 
 
@@ -121,16 +125,31 @@ def plan(
         raise exceptions.HypervisorError(
             host=host, action=f"read {request.vm}'s facts", reason=str(exc)
         ) from exc
+    agent = destination_agent(offer, conf.flexmig.agent_timeout, conf.flexmig.agent_ca_file)
     fabric = None
     if opts.bandwidth_probe_mib:
-        agent = destination_agent(offer, conf.flexmig.agent_timeout, conf.flexmig.agent_ca_file)
         fabric = agent.probe_bandwidth(opts.bandwidth_probe_mib)
     dest = planner.DestinationFacts(
         free_for_vms_bytes=offer.free_for_vms_bytes,
         store_free_bytes=offer.store_free_bytes,
         split_reserved=offer.split_budget_bytes is not None,
+        software=_destination_software(agent),
     )
-    return planner.plan(request, vm, dest, planner.LinkFacts(fabric_bps=fabric), opts)
+    try:
+        source = planner.SourceFacts(facts.host_software(conn, host), facts.idle_cpus())
+    except (exceptions.HypervisorError, libvirt_error):
+        source = planner.SourceFacts(idle_cpus=facts.idle_cpus())
+    link = planner.LinkFacts(fabric_bps=fabric)
+    return planner.plan(request, vm, dest, link, opts, source=source)
+
+
+def _destination_software(agent: AgentClient) -> HostSoftware:
+    """The destination's libvirt and QEMU (unknown when its agent cannot say: the
+    knobs that need both ends are then left out, and explain says why)."""
+    try:
+        return HostSoftware.from_facts(agent.get("/v1/facts"))
+    except exceptions.FlexMigError:
+        return HostSoftware()
 
 
 def scoped_credential(key: bytes, migration_id: str, vm: str, expires: float) -> tuple[str, str]:

@@ -422,6 +422,10 @@ class Agent:
             "transfer": plan.decision.transfer,
             "transport": plan.transport.transport,
             "parallel": plan.parallel,
+            "knobs": dataclasses.asdict(plan.knobs),
+            "features": plan.features,
+            "predicted_guest_downtime_ms": round(plan.guest_downtime.total_ms),
+            "over_budget": plan.over_budget,
             "explanation": text,
         }
 
