@@ -204,7 +204,9 @@ def test_records_in_parts_arrive_whole_and_a_bad_part_changes_nothing():
     src, dst = two_hosts()
     matches = [flow(n) for n in range(4)]
     for m in matches:
-        offloaded_on(src, m)
+        src.start(m, "phy0")
+    for _ in range(3):
+        src.tick({m: 5000 for m in matches})
     records = wire(migration.FlowMigrations(src.control).depart("m1", ["tap0"], "b"))
     dst_mig = migration.FlowMigrations(dst.control)
     dst_mig.arrive("m1", ["tap0"], "a", records[:1])
