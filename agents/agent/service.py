@@ -198,6 +198,7 @@ class Agent:
             "links": links,
             "initial_stream_bps": options.stream_bandwidth_mib * 2**20,
             "max_downtime_ms": options.max_downtime_ms,
+            "allowed_modes": list(options.allowed_modes),
         }
 
     def probe(self, body: dict[str, Any], m: re.Match[str]) -> tuple[int, bytes]:
