@@ -36,6 +36,7 @@ LOG = logging.getLogger("flexmig.ovs_ext.app")
 # A stats request unanswered this many intervals is given up and re-sent.
 STATS_REPLY_PATIENCE = 20
 STATUS_EVERY_POLL_UP_TO = 10_000  # flows
+PURGE_TIMEOUT = 5  # s, ovs-appctl revalidator/purge
 
 
 @dataclasses.dataclass
@@ -68,6 +69,11 @@ class OffloadApp(app_manager.OSKenApp):
         self._learned_parts: dict[FlowMatch, FlowCounters] = {}
         self._stats_sent_at: float | None = None
         self._barrier_done = threading.Event()
+        # Whether packet-ins are judged yet: not until the datapath's cached flows
+        # from before this connection are purged (see _switch_features).
+        self.judging = False
+        self._settle_xids: dict[int, Any] = {}
+        self.rt.control.status_extras["bridge"] = lambda: {"judging": self.judging}
         self._polls = 0
         self._poller = hub.spawn(self._poll_loop)
 
@@ -80,6 +86,15 @@ class OffloadApp(app_manager.OSKenApp):
             dp.close()
             return
         LOG.info("bridge %s connected (datapath %016x)", self.rt.bridge, dp.id)
+        # Why the app does not judge at once: the datapath keeps the flows it
+        # cached before this connection (another run's, or none of ours at all),
+        # and once our rules are back they are re-translated to send to the app.
+        # A packet reaching the app through such a cached flow is credited again
+        # to the flow's rules by the revalidator's next push, so counting it as
+        # the flow's first packet counted it twice (a flow seen before a bridge
+        # reconnection showed 2 for 1 sent).  Only a datapath miss is credited
+        # to the shared discovery rule alone: the app waits until its rules are
+        # in, purges the cached flows, and judges from then on.
         self._forget_bridge_state()
         self.datapath = dp
         # Rules of an earlier run or connection are stale: their flows are forgotten.
@@ -101,6 +116,8 @@ class OffloadApp(app_manager.OSKenApp):
         self.port_numbers.clear()
         self.mac_ports.clear()
         self._stats_sent_at = None
+        self.judging = False
+        self._settle_xids.clear()
 
     @set_ev_cls(ofp_event.EventOFPPortDescStatsReply, MAIN_DISPATCHER)
     def _port_desc(self, ev: Any) -> None:
@@ -108,6 +125,39 @@ class OffloadApp(app_manager.OSKenApp):
             return
         for port in ev.msg.body:
             self._port_up(port.port_no, _name(port.name))
+        if not self.judging:
+            self._settle(self._purge_cached_flows)
+
+    def _settle(self, then: Any) -> None:
+        """Run ``then`` once OVS has applied everything sent so far (a barrier)."""
+        dp = self.datapath
+        barrier = dp.ofproto_parser.OFPBarrierRequest(dp)
+        dp.set_xid(barrier)
+        self._settle_xids[barrier.xid] = then
+        self.send(barrier)
+
+    def _purge_cached_flows(self) -> None:
+        try:
+            proc = subprocess.run(
+                ["ovs-appctl", f"--timeout={PURGE_TIMEOUT}", "revalidator/purge"],
+                capture_output=True,
+                text=True,
+                timeout=PURGE_TIMEOUT + 1,
+                check=False,
+            )
+            failed = proc.returncode != 0 and proc.stderr.strip()
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            failed = str(exc)
+        if failed:
+            # Judging anyway beats never offloading: a flow cached from before
+            # may count its first packet twice.
+            LOG.warning("could not purge the datapath's cached flows: %s", failed)
+        # Packet-ins sent before the purge arrive before the barrier's reply.
+        self._settle(self._start_judging)
+
+    def _start_judging(self) -> None:
+        self.judging = True
+        LOG.info("judging new flows on bridge %s", self.rt.bridge)
 
     @set_ev_cls(ofp_event.EventOFPPortStatus, MAIN_DISPATCHER)
     def _port_status(self, ev: Any) -> None:
@@ -161,8 +211,10 @@ class OffloadApp(app_manager.OSKenApp):
         if parsed is None or in_port is None:
             return
         self.mac_ports[parsed.eth_src] = in_port
-        if parsed.eth_type == openflow.ETH_TYPE_ARP:
-            return  # learnt; the rule's NORMAL action already forwarded it
+        if parsed.eth_type == openflow.ETH_TYPE_ARP or not self.judging:
+            # ARP: learnt, and the rule's NORMAL action already forwarded it.
+            # Not judging yet: the bridge switched it and a rule counts it.
+            return
         match = openflow.flow_match(in_port, parsed)
         if match is None:
             return
@@ -295,6 +347,11 @@ class OffloadApp(app_manager.OSKenApp):
 
     @set_ev_cls(ofp_event.EventOFPBarrierReply, MAIN_DISPATCHER)
     def _barrier_reply(self, ev: Any) -> None:
+        then = self._settle_xids.pop(ev.msg.xid, None)
+        if then is not None:
+            if ev.msg.datapath is self.datapath:
+                then()
+            return
         self._barrier_done.set()
 
 

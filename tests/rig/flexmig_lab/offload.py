@@ -141,7 +141,12 @@ class LabOffload:
                 raise errors.LabError(
                     reason=f"flexmig-offload on {self.host.name} exited: {self.log_tail()}"
                 )
-            return status.exists()
+            try:
+                shown = json.loads(status.read_text())
+            except (FileNotFoundError, ValueError):
+                return False
+            # Judging: the app's rules are in and the datapath's cached flows purged.
+            return bool(shown.get("bridge", {}).get("judging"))
 
         processutil.wait_for(
             ready,
