@@ -28,7 +28,7 @@ from os_ken.controller.handler import CONFIG_DISPATCHER, MAIN_DISPATCHER, set_ev
 from os_ken.lib import hub
 from os_ken.ofproto import ofproto_v1_3
 
-from ovs_ext import flows, openflow
+from ovs_ext import flows, openflow, restore
 from ovs_ext.control import OffloadControl
 from ovs_ext.providers.base import FlowCounters, FlowMatch, OffloadError
 
@@ -72,6 +72,8 @@ class OffloadApp(app_manager.OSKenApp):
         # Whether packet-ins are judged yet: not until the datapath's cached flows
         # from before this connection are purged (see _switch_features).
         self.judging = False
+        self._rules_ready = False  # the old rules read back and replaced
+        self._read_back: list[Any] | None = None  # flow-stats parts while reading back
         self._settle_xids: dict[int, Any] = {}
         self.rt.control.status_extras["bridge"] = lambda: {"judging": self.judging}
         self._polls = 0
@@ -97,26 +99,28 @@ class OffloadApp(app_manager.OSKenApp):
         # in, purges the cached flows, and judges from then on.
         self._forget_bridge_state()
         self.datapath = dp
-        # Rules of an earlier run or connection are stale: their flows are forgotten.
-        self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto))
-        self.send(openflow.table_miss_rule(dp.ofproto_parser, dp.ofproto))
+        # The rules an earlier run or connection left are read back (their flows'
+        # counters go on), then replaced: see _rules_read_back.
         self.send(dp.ofproto_parser.OFPPortDescStatsRequest(dp, 0))
         self.rt.connected.set()
 
     def _forget_bridge_state(self) -> None:
-        """A (re)connection starts from nothing: the rules are deleted below, so
-        every tracked flow and offload entry goes too, and ports are relearnt."""
+        """A (re)connection starts from nothing: the rules are read back and
+        deleted, so every tracked flow and offload entry goes too (their counters
+        kept for when they are seen again), and ports are relearnt."""
         with self.rt.lock:
             control = self.rt.control
             for port in sorted(
                 control.dispatchers.fast_path_ports | set(control.dispatchers.by_port)
             ):
-                control.port_removed(port)
+                restore.from_forgotten(control.flows, control.port_removed(port))
         self.port_names.clear()
         self.port_numbers.clear()
         self.mac_ports.clear()
         self._stats_sent_at = None
         self.judging = False
+        self._rules_ready = False
+        self._read_back: list[Any] | None = None
         self._settle_xids.clear()
 
     @set_ev_cls(ofp_event.EventOFPPortDescStatsReply, MAIN_DISPATCHER)
@@ -125,8 +129,28 @@ class OffloadApp(app_manager.OSKenApp):
             return
         for port in ev.msg.body:
             self._port_up(port.port_no, _name(port.name))
-        if not self.judging:
-            self._settle(self._purge_cached_flows)
+        more = ev.msg.flags & ev.msg.datapath.ofproto.OFPMPF_REPLY_MORE
+        if not more and not self._rules_ready and self._read_back is None:
+            self._read_back = []
+            dp = self.datapath
+            self.send(openflow.owned_stats_request(dp.ofproto_parser, dp.ofproto))
+
+    def _rules_read_back(self) -> None:
+        """The rules found at connection are read: keep their counts, replace them
+        (the flows they were made for are forgotten), then settle and purge."""
+        stats, self._read_back = self._read_back or [], None
+        with self.rt.lock:
+            found = restore.from_rules(self.rt.control.flows, stats, self.port_names.get)
+        if found:
+            LOG.info("counters of %d rules of an earlier run or connection kept", found)
+        dp = self.datapath
+        self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto))
+        self.send(openflow.table_miss_rule(dp.ofproto_parser, dp.ofproto))
+        self._rules_ready = True
+        for ofport, name in sorted(self.port_names.items()):
+            if self.rt.control.dispatchers.watches(name):
+                self._send_discovery(ofport)
+        self._settle(self._purge_cached_flows)
 
     def _settle(self, then: Any) -> None:
         """Run ``then`` once OVS has applied everything sent so far (a barrier)."""
@@ -181,10 +205,14 @@ class OffloadApp(app_manager.OSKenApp):
             if not dispatchers.watches(name):
                 return
             self.rt.control.port_added(name)
+        if self._rules_ready:  # else installed once the old rules are read back
+            self._send_discovery(ofport)
+        LOG.info("watching port %s (ofport %d)", name, ofport)
+
+    def _send_discovery(self, ofport: int) -> None:
         dp = self.datapath
         for mod in openflow.discovery_rules(dp.ofproto_parser, dp.ofproto, ofport):
             self.send(mod)
-        LOG.info("watching port %s (ofport %d)", name, ofport)
 
     def _port_down(self, ofport: int, name: str) -> None:
         self.port_names.pop(ofport, None)
@@ -226,7 +254,9 @@ class OffloadApp(app_manager.OSKenApp):
                 # first one is left uncounted by a per-flow rule: see openflow.py.
                 self.rt.control.flows.count_packet_in(match, msg.total_len)
         if new:
-            rule = openflow.flow_rule(dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match)
+            rule = openflow.flow_rule(
+                dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match, msg.total_len
+            )
             self.send(rule)
 
     def _fdb_port(self, mac: str) -> str | None:
@@ -261,8 +291,8 @@ class OffloadApp(app_manager.OSKenApp):
 
     def _request_stats(self) -> None:
         dp = self.datapath
-        if dp is None:
-            return
+        if dp is None or not self.judging:
+            return  # the reply would be taken for the read-back's
         sent = self._stats_sent_at
         patience = STATS_REPLY_PATIENCE * self.rt.poll_interval
         if sent is not None and time.monotonic() - sent < patience:
@@ -277,7 +307,11 @@ class OffloadApp(app_manager.OSKenApp):
         msg = ev.msg
         if msg.datapath is not self.datapath:
             return
-
+        if self._read_back is not None:
+            self._read_back.extend(msg.body)
+            if not msg.flags & msg.datapath.ofproto.OFPMPF_REPLY_MORE:
+                self._rules_read_back()
+            return
         for stat in msg.body:
             self._collect(stat)
         if msg.flags & msg.datapath.ofproto.OFPMPF_REPLY_MORE:

@@ -404,16 +404,17 @@ def test_bridge_reconnect_starts_the_app_afresh(olab, lab):
     assert start_flow(service, eps, "s1", 41052, 9801)["packets"] == 1
 
 
-def test_a_flow_seen_before_a_reconnection_counts_its_first_packet_once(olab, lab):
-    """The datapath still caches the flow after the reconnection; a packet through
-    that cache must not be counted as the judged first one and again by its rule."""
+def test_a_flow_seen_before_a_reconnection_counts_each_packet_once(olab, lab):
+    """The datapath still caches the flow after the reconnection: a packet through
+    that cache must not be counted as the judged first one and again by its rule.
+    The flow's counters go on from before the reconnection (never reset)."""
     service, eps = olab
     start_flow(service, eps, "s1", 41053, 9801)
     _reconnect_bridge(service, lab.host("A"))
     start_flow(service, eps, "s1", 41053, 9801)
     settle()
-    assert flow_status(service, 41053, 9801)["packets"] == 1
-    assert endpoint_counts(service, 41053, 9801)[0][0] == 1
+    assert flow_status(service, 41053, 9801)["packets"] == 2
+    assert endpoint_counts(service, 41053, 9801)[0][0] == 2
 
 
 def _reconnect_bridge(service, host):

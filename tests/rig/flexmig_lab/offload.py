@@ -165,6 +165,18 @@ class LabOffload:
             what=f"flexmig-offload on {self.host.name} to stop",
         )
 
+    def crash(self) -> None:
+        """SIGKILL: the service dies without handing anything back (its rules stay
+        in the bridge, its entries pinned in the provider)."""
+        if not self.running():
+            return
+        self.host.ns.run(["sh", "-c", f"kill -KILL $(cat {PID_FILE})"], check=False)
+        processutil.wait_for(
+            lambda: not self.running(),
+            timeout=STOP_TIMEOUT,
+            what=f"flexmig-offload on {self.host.name} to die",
+        )
+
     def reload(self, policy_text: str) -> None:
         """Write a new policy and send SIGHUP (the service rejects an invalid one)."""
         self.policy_file.write_text(policy_text)
