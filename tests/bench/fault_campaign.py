@@ -1,0 +1,386 @@
+"""The fault campaign (issue 18): every fault against every migration path, many times.
+
+    FLEXMIG_LAB_NAME=<lab> flock -x /work/wt/lab.lock \\
+        .venv/bin/python -m tests.bench.fault_campaign [--budget-min 12] [--cells GLOB]
+        [--runs N] [--list] [--table-only]
+
+A cell is mode x transport x fault x injection point (``cells()``).  Each run
+boots nothing new: one small guest per memory kind stays up for the whole
+session and goes back and forth between hosts A and B.  A run starts a
+migration through the engine (``migrate_cli.start``), waits for the injection
+point, injects the fault, repairs what the fault broke (the link back up, the
+daemon restarted: what an operator or systemd does), follows the migration to
+its end and then checks:
+
+- the VM runs on exactly one host, and its guest's ``verify`` finds 0 bad and
+  0 lost pages;
+- nothing is left behind: no split reservation on either agent, no memory
+  cgroup, no mover process, socket or token file, no store file of the VM on
+  the host it does not run on;
+- the next migration of the VM (back where it came from) completes.
+
+Results accumulate across sessions in ``docs/benchmarks/faults.json``, keyed by
+cell (a session runs the cells with the fewest runs first, until its time
+budget is spent), and ``docs/benchmarks/faults.md`` is regenerated from it.
+A lost VM or page is a bug: the run stops the campaign and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import fnmatch
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from flexmig import exceptions, migrate_cli, processutil
+from flexmig_lab import fabric, vm
+from flexmig_lab.lab import CGROUP_ROOT, Lab
+
+RESULTS = Path("docs/benchmarks/faults.json")
+TABLE = Path("docs/benchmarks/faults.md")
+COMMAND = (
+    "FLEXMIG_LAB_NAME=<lab> flock -x /work/wt/lab.lock "
+    ".venv/bin/python -m tests.bench.fault_campaign --budget-min 12"
+)
+TARGET_RUNS = 20
+BANDWIDTH_MIB = 24  # slow enough that a fault lands inside the migration
+# Small guests keep a run short: the precopy one converges in a few rounds,
+# the postcopy one dirties faster than the capped link (hybrid really switches).
+GUESTS = {
+    "file": dict(ram="256M", workload="dirtier:wss=64M,rate=1500", memory_backing="file"),
+    "anon": dict(ram="256M", workload="dirtier:wss=96M,rate=60000", memory_backing="anonymous"),
+}
+MODES = {"precopy": "file", "postcopy": "anon", "split": "file"}
+SPLIT_BUDGET_MB = 300  # B offers 140 MiB for the 256 MiB guest (QEMU takes 160): split
+FULL_BUDGET_MB = 4096
+TRANSPORTS = ("qemu-tcp", "mover")
+FAULTS = (
+    "kill-src-agent", "kill-dst-agent", "kill-src-mover", "kill-dst-mover", "cut-2s",
+    "cut-30s", "restart-src-libvirtd", "restart-dst-libvirtd", "kill-dst-qemu",
+)  # fmt: skip
+POINTS = ("round", "postcopy-switch", "switchover")
+PHASE_TIMEOUT_S = 120.0
+AGENT_STATE_DIR = "/run/flexmig"  # the agents' state_dir inside a lab host
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    mode: str
+    transport: str
+    fault: str
+    point: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.mode}/{self.transport}/{self.fault}/{self.point}"
+
+
+def cells() -> list[Cell]:
+    """Every combination that exists: movers only on the mover transport, the
+    postcopy switch only in hybrid postcopy."""
+    found = []
+    for mode in MODES:
+        for transport in TRANSPORTS:
+            for fault in FAULTS:
+                if "mover" in fault and transport != "mover":
+                    continue
+                for point in POINTS:
+                    if point == "postcopy-switch" and mode != "postcopy":
+                        continue
+                    found.append(Cell(mode, transport, fault, point))
+    return found
+
+
+# -- results ---------------------------------------------------------------------
+def load_results(path: Path = RESULTS) -> dict[str, dict[str, Any]]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def add_run(results: dict[str, dict[str, Any]], cell: Cell, run: dict[str, Any]) -> None:
+    row = results.setdefault(
+        cell.key,
+        {"runs": 0, "completed": 0, "failed": 0, "vm_lost": 0, "bad_pages": 0,
+         "lost_pages": 0, "leftovers": 0, "next_ok": 0, "recovered": 0, "notes": []},
+    )  # fmt: skip
+    row["runs"] += 1
+    row["completed" if run["state"] == "completed" else "failed"] += 1
+    row["vm_lost"] += int(run["hosts"] != 1)
+    row["bad_pages"] += run["bad"]
+    row["lost_pages"] += run["lost"]
+    row["leftovers"] += int(bool(run["leftovers"]))
+    row["next_ok"] += int(run["next_ok"])
+    row["recovered"] += int(run["recovered"])
+    for note in run["leftovers"] + ([run["error"]] if run["error"] else []):
+        short = note[:120]
+        if short not in row["notes"] and len(row["notes"]) < 4:
+            row["notes"].append(short)
+
+
+def render_table(results: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "# Fault campaign (issue 18, part 1)",
+        "",
+        f"Command: `{COMMAND}` (accumulates into `{RESULTS}`; re-run to add runs).",
+        f"Target: {TARGET_RUNS} runs per cell; {len(cells())} cells. A run injects the",
+        "fault at the point, repairs it (link up, daemon restarted), follows the",
+        "migration to its end, checks the VM runs on exactly one host, the guest's",
+        "`verify`, leftovers (split reservation, memory cgroup, mover process/socket/",
+        "token, store file on the other host) and that the next migration completes.",
+        "",
+        "| cell (mode/transport/fault/point) | runs | completed | failed | VM lost "
+        "| bad pages | lost pages | leftovers | next ok | postcopy resumed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for cell in cells():
+        row = results.get(cell.key)
+        if row is None:
+            continue
+        lines.append(
+            f"| {cell.key} | {row['runs']} | {row['completed']} | {row['failed']} | "
+            f"{row['vm_lost']} | {row['bad_pages']} | {row['lost_pages']} | "
+            f"{row['leftovers']} | {row['next_ok']} | {row['recovered']} |"
+        )
+    done = sum(1 for c in cells() if results.get(c.key, {}).get("runs", 0) >= TARGET_RUNS)
+    started = sum(1 for c in cells() if c.key in results)
+    lines += [
+        "",
+        f"Cells run so far: {started} of {len(cells())}; at {TARGET_RUNS} runs: {done}.",
+        "",
+        "Notes (first errors and leftovers seen per cell):",
+        "",
+    ]
+    for cell in cells():
+        for note in results.get(cell.key, {}).get("notes", []):
+            lines.append(f"- {cell.key}: {note}")
+    return "\n".join(lines) + "\n"
+
+
+def save(results: dict[str, dict[str, Any]]) -> None:
+    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    TABLE.write_text(render_table(results))
+
+
+# -- one run ---------------------------------------------------------------------
+class Campaign:
+    def __init__(self, lab: Lab) -> None:
+        self.lab = lab
+        self.guests: dict[str, str] = {}  # memory kind -> VM name
+        self.budgets: dict[str, int] = {}
+
+    def budget(self, host: str, mb: int) -> None:
+        """Set a host's VM budget (restarting its agent) only when it changes."""
+        if self.budgets.get(host, FULL_BUDGET_MB) != mb:
+            self.lab.set_budget(host, mb)
+            self.budgets[host] = mb
+
+    def guest(self, kind: str) -> str:
+        name = self.guests.get(kind)
+        if name is None:
+            name = f"fc{kind}"
+            if name not in vm.list_vms(self.lab):
+                vm.create(self.lab, "A", name=name, **GUESTS[kind])
+            self.guests[kind] = name
+        return name
+
+    def run(self, cell: Cell) -> dict[str, Any]:
+        name = self.guest(MODES[cell.mode])
+        src = self.lab.vm_host(name)
+        if src is None:
+            raise CampaignStop(f"{name} runs nowhere before the run")
+        dst = "B" if src == "A" else "A"
+        self.budget(dst, SPLIT_BUDGET_MB if cell.mode == "split" else FULL_BUDGET_MB)
+        request = dict(mode=cell.mode, transport=cell.transport, bandwidth_mib=BANDWIDTH_MIB)
+        _, agent, mid = migrate_cli.start(self.lab, name, dst, **request)
+        injected = self.wait_point(agent, mid, cell.point)
+        if injected:
+            self.inject(cell.fault, src, dst)
+        record = self.follow(src, mid)
+        self.budget(dst, FULL_BUDGET_MB)
+        return self.check(name, record, src, dst, injected)
+
+    def wait_point(self, agent: Any, mid: str, point: str) -> bool:
+        """True once the migration reached ``point``; False if it ended first."""
+
+        def reached() -> dict[str, Any] | None:
+            record = agent.get(f"/v1/migrations/{mid}")
+            if record["state"] not in ("planning", "running"):
+                return record
+            progress = record.get("progress") or {}
+            if point == "round" and record["phase"] == "precopy":
+                return record
+            if point == "postcopy-switch" and record["phase"] == "postcopy":
+                return record
+            total = progress.get("memory_total") or 0
+            left = progress.get("memory_remaining", total)
+            if point == "switchover" and total and left < total // 10:
+                return record
+            return None
+
+        record = processutil.wait_for(
+            reached, timeout=PHASE_TIMEOUT_S, interval=0.1, what=f"point {point}"
+        )
+        if point == "round":
+            time.sleep(random.uniform(0.2, 2.0))  # somewhere inside a round
+        return record["state"] in ("planning", "running")
+
+    def inject(self, fault: str, src: str, dst: str) -> None:
+        host = {"src": self.lab.host(src), "dst": self.lab.host(dst)}
+        side = "src" if "-src-" in fault else "dst"
+        if fault.endswith("-agent"):
+            host[side].ns.run(["pkill", "-KILL", "-f", "agents.agent.service"], check=False)
+            time.sleep(1.0)
+            host[side].start_agent()
+        elif fault.endswith("-mover"):
+            host[side].ns.run(["pkill", "-KILL", "-f", "flexmig-mover"], check=False)
+        elif fault.startswith("cut-"):
+            spec = host["dst"].spec
+            fabric.set_mgmt_link(spec, False)
+            time.sleep(float(fault[4:-1]))
+            fabric.set_mgmt_link(spec, True)
+        elif fault.endswith("-libvirtd"):
+            host[side].ns.run(["sh", "-c", "kill -TERM $(cat /run/libvirtd.pid)"], check=False)
+            processutil.wait_for(
+                lambda: not host[side]._pid_alive("/run/libvirtd.pid"),
+                timeout=30,
+                what="libvirtd to stop",
+            )
+            host[side]._start_libvirt()
+        elif fault == "kill-dst-qemu":
+            host["dst"].ns.run(["pkill", "-KILL", "-f", "qemu-system"], check=False)
+        else:
+            raise ValueError(fault)
+
+    def follow(self, src: str, mid: str) -> dict[str, Any]:
+        """The migration's end as its source agent reports it (a restarted agent
+        no longer knows it: then libvirt's view is all there is)."""
+        try:
+            return migrate_cli.follow(self.lab.agent(src), mid)
+        except (exceptions.FlexMigError, KeyError, OSError) as exc:
+            return {"state": "unknown", "error": f"not followed: {exc}", "summary": {}}
+
+    def check(self, name: str, record: dict[str, Any], src: str, dst: str,
+              injected: bool) -> dict[str, Any]:  # fmt: skip
+        time.sleep(2.0)  # libvirt's and the agents' own clean-up after the end
+        running = self.running_on(name)
+        run: dict[str, Any] = {
+            "state": record.get("state"),
+            "error": record.get("error") or ("" if injected else "ended before the fault"),
+            "hosts": len(running),
+            "bad": 0,
+            "lost": 0,
+            "leftovers": [],
+            "next_ok": False,
+            "recovered": bool((record.get("summary") or {}).get("recovered")),
+        }
+        if len(running) != 1:
+            return run
+        guest = self.lab.guest(name)
+        guest.wait_heartbeat(host=running[0])
+        check = guest.verify()
+        run["bad"], run["lost"] = check["bad"], check["lost"]
+        run["leftovers"] = self.leftovers(name, running[0])
+        back = dst if running[0] == src else src
+        result = migrate_cli.migrate(self.lab, name, back, show=False)
+        run["next_ok"] = result["state"] == "completed" and result["verify"]["bad"] == 0
+        return run
+
+    def running_on(self, name: str) -> list[str]:
+        from flexmig import hypervisor
+
+        found = []
+        for host in self.lab.hosts():
+            with hypervisor.connect(host.local_uri, host.name) as conn:
+                dom = hypervisor.find_domain(conn, name)
+                if dom is not None and dom.isActive():
+                    found.append(host.name)
+        return found
+
+    def leftovers(self, name: str, where: str) -> list[str]:
+        found = []
+        for host in self.lab.hosts():
+            reservation = self.lab.agent(host.name).get(f"/v1/split/{name}")["reservation"]
+            if reservation is not None and host.name != where:
+                found.append(f"reservation on {host.name}")
+            movers = host.ns.run(["pgrep", "-f", "flexmig-mover"], check=False).stdout.split()
+            if movers:
+                found.append(f"{len(movers)} mover process(es) on {host.name}")
+            state = host.ns.root_path(AGENT_STATE_DIR)
+            stray = [p.name for p in state.glob("mover-*")] if state.exists() else []
+            if stray:
+                found.append(f"mover files on {host.name}: {stray[:3]}")
+            if host.name != where:
+                group = CGROUP_ROOT / f"lab-{host.name.lower()}" / name
+                if group.exists():
+                    found.append(f"memory cgroup {group}")
+                files = list(host.store_dir.rglob(f"*{name}*"))
+                if files:
+                    found.append(f"store files on {host.name}: {[p.name for p in files[:3]]}")
+        return found
+
+
+class CampaignStop(Exception):
+    """A VM or page was lost: stop and look (a bug, not a row)."""
+
+
+# -- the session -----------------------------------------------------------------
+def choose(results: dict[str, dict[str, Any]], pattern: str, runs: int) -> list[Cell]:
+    """The cells to run, fewest runs first (so sessions fill the matrix evenly)."""
+    todo = [c for c in cells() if fnmatch.fnmatch(c.key, pattern)]
+    todo = [c for c in todo if results.get(c.key, {}).get("runs", 0) < TARGET_RUNS]
+    todo.sort(key=lambda c: (results.get(c.key, {}).get("runs", 0), c.key))
+    return [c for c in todo for _ in range(runs)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--budget-min",
+        type=float,
+        default=12.0,
+        help="stop starting runs after this many minutes (lab lock holds)",
+    )
+    parser.add_argument("--cells", default="*", help="glob over mode/transport/fault/point")
+    parser.add_argument("--runs", type=int, default=1, help="runs per chosen cell this session")
+    parser.add_argument("--list", action="store_true", help="print the cells and exit")
+    parser.add_argument("--table-only", action="store_true", help="re-render the table")
+    args = parser.parse_args(argv)  # fmt: skip
+    results = load_results()
+    if args.list:
+        for cell in cells():
+            print(cell.key, results.get(cell.key, {}).get("runs", 0))
+        return 0
+    if args.table_only:
+        save(results)
+        return 0
+    deadline = time.monotonic() + args.budget_min * 60
+    lab = Lab()
+    lab.up()
+    campaign = Campaign(lab)
+    status = 0
+    try:
+        for cell in choose(results, args.cells, args.runs):
+            if time.monotonic() >= deadline:
+                break
+            started = time.monotonic()
+            run = campaign.run(cell)
+            add_run(results, cell, run)
+            save(results)
+            print(f"{datetime.datetime.now():%H:%M:%S} {cell.key}: {json.dumps(run)} "
+                  f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
+            if run["hosts"] != 1 or run["bad"] or run["lost"]:
+                raise CampaignStop(f"{cell.key}: {run}")
+    except CampaignStop as exc:
+        print(f"STOP: a VM or page was lost: {exc}", flush=True)
+        status = 1
+    finally:
+        lab.down()
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
