@@ -322,8 +322,10 @@ function _flexmig_configure_agent {
     iniset "$FLEXMIG_AGENT_CONF" agent store_dir "$FLEXMIG_STORE_DIR"
     iniset "$FLEXMIG_AGENT_CONF" agent state_dir "$FLEXMIG_STATE_DIR"
     iniset "$FLEXMIG_AGENT_CONF" agent cgroup_parent "$FLEXMIG_AGENT_CGROUP_PARENT"
-    iniset "$FLEXMIG_AGENT_CONF" agent max_downtime_ms "$FLEXMIG_MAX_DOWNTIME_MS"
-    iniset "$FLEXMIG_AGENT_CONF" agent tcp_fabric_transport "$FLEXMIG_AGENT_TCP_FABRIC_TRANSPORT"
+    # The engine's options, shared with nova.conf (flexmig/migration/options.py).
+    iniset "$FLEXMIG_AGENT_CONF" migration max_downtime_ms "$FLEXMIG_MAX_DOWNTIME_MS"
+    iniset "$FLEXMIG_AGENT_CONF" migration allowed_modes "$FLEXMIG_ALLOWED_MODES"
+    iniset "$FLEXMIG_AGENT_CONF" migration tcp_fabric_transport "$FLEXMIG_AGENT_TCP_FABRIC_TRANSPORT"
     # Nova drives every live migration here: the agents' own orchestration
     # routes would let any holder of the shared key move VMs behind its back.
     iniset "$FLEXMIG_AGENT_CONF" agent allow_orchestration "$FLEXMIG_AGENT_ALLOW_ORCHESTRATION"
@@ -334,8 +336,8 @@ function _flexmig_configure_nova {
     iniset "$NOVA_CONF" flexmig agent_port "$FLEXMIG_AGENT_PORT"
     iniset "$NOVA_CONF" flexmig agent_key_file "$FLEXMIG_AGENT_KEY_FILE"
     iniset "$NOVA_CONF" flexmig agent_timeout "$FLEXMIG_AGENT_TIMEOUT"
-    iniset "$NOVA_CONF" flexmig max_downtime_ms "$FLEXMIG_MAX_DOWNTIME_MS"
-    iniset "$NOVA_CONF" flexmig allowed_modes "$FLEXMIG_ALLOWED_MODES"
+    iniset "$NOVA_CONF" migration max_downtime_ms "$FLEXMIG_MAX_DOWNTIME_MS"
+    iniset "$NOVA_CONF" migration allowed_modes "$FLEXMIG_ALLOWED_MODES"
     if _flexmig_mode_allowed split; then
         # Nova refuses file-backed memory with any RAM overcommit.
         iniset "$NOVA_CONF" libvirt file_backed_memory "$(_flexmig_file_backed_memory_mb)"
@@ -476,8 +478,11 @@ function _flexmig_clean_nova {
     if [[ ! -f ${NOVA_CONF:-} ]]; then
         return 0
     fi
-    # The whole [flexmig] section: header and every line up to the next one.
-    sed -i -e '/^\[flexmig\]/,/^\[/{/^\[flexmig\]/d;/^\[/!d;}' "$NOVA_CONF"
+    # The whole [flexmig] and [migration] sections: header and every line up to the next one.
+    local section
+    for section in flexmig migration; do
+        sed -i -e "/^\\[$section\\]/,/^\\[/{/^\\[$section\\]/d;/^\\[/!d;}" "$NOVA_CONF"
+    done
     local opt
     for opt in $FLEXMIG_NOVA_LIBVIRT_OPTS; do
         inidelete "$NOVA_CONF" libvirt "$opt"

@@ -13,8 +13,12 @@ import importlib.metadata
 import json
 import os
 import sys
+from typing import Any
 
 from flexmig import exceptions, migrate_cli, tables
+from flexmig.migration.request import MAX_PARALLEL
+from flexmig.policy.decision import REQUESTABLE_MODES
+from flexmig.policy.transport import TRANSPORTS
 
 INVENTORY_GROUP = "flexmig.inventories"
 DEFAULT_INVENTORY = "host"
@@ -41,15 +45,22 @@ def load_inventory(name: str, config_files: list[str]) -> migrate_cli.Inventory:
     return found[name].load()(config_files)
 
 
+def _asked(args: argparse.Namespace) -> dict[str, Any]:
+    """The command line's part of a MigrationRequest."""
+    asked = {
+        "mode": args.mode,
+        "max_downtime_ms": args.max_downtime_ms,
+        "bandwidth_mib": args.bandwidth_mib,
+        "transport": args.transport,
+    }
+    if "parallel" in args:
+        asked["parallel"] = args.parallel
+    return asked
+
+
 def cmd_explain(args: argparse.Namespace) -> int:
-    plan = migrate_cli.explain(
-        load_inventory(args.inventory, args.config_file),
-        args.vm,
-        args.to,
-        args.mode,
-        args.max_downtime_ms,
-        args.bandwidth_mib,
-    )
+    lab = load_inventory(args.inventory, args.config_file)
+    plan = migrate_cli.explain(lab, args.vm, args.to, **_asked(args))
     if args.json:
         _print(plan, True)
         return 0
@@ -61,16 +72,8 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    result = migrate_cli.migrate(
-        load_inventory(args.inventory, args.config_file),
-        args.vm,
-        args.to,
-        args.mode,
-        args.max_downtime_ms,
-        bandwidth_mib=args.bandwidth_mib,
-        transport=args.transport,
-        parallel=args.parallel,
-    )
+    lab = load_inventory(args.inventory, args.config_file)
+    result = migrate_cli.migrate(lab, args.vm, args.to, **_asked(args))
     if args.json:
         _print(result, True)
     else:
@@ -242,8 +245,10 @@ def _parallel_connections(text: str) -> int:
         value = int(text)
     except ValueError:
         value = 0
-    if not 1 <= value <= 8:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of connections in 1..8")
+    if not 1 <= value <= MAX_PARALLEL:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a number of connections in 1..{MAX_PARALLEL}"
+        )
     return value
 
 
@@ -257,7 +262,7 @@ def _add_migration_parsers(sub: argparse._SubParsersAction) -> None:  # type: ig
         p.add_argument(
             "--to", required=True, help="destination host: name or address (lab: A, B, ...)"
         )
-        p.add_argument("--mode", default="auto", choices=("auto", "precopy", "postcopy", "split"))
+        p.add_argument("--mode", default="auto", choices=REQUESTABLE_MODES)
         p.add_argument("--max-downtime-ms", type=int, help="downtime budget (default: agent's)")
         p.add_argument(
             "--bandwidth-mib",
@@ -268,7 +273,7 @@ def _add_migration_parsers(sub: argparse._SubParsersAction) -> None:  # type: ig
         p.add_argument(
             "--transport",
             default="auto",
-            choices=("auto", "qemu-tcp", "mover"),
+            choices=TRANSPORTS,
             help="how the stream travels (auto: see flexmig explain)",
         )
         if name == "migrate":

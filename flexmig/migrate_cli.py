@@ -12,6 +12,7 @@ import time
 from typing import Any, Protocol
 
 from flexmig import exceptions
+from flexmig.migration.request import MigrationRequest
 from flexmig.progress import MigrationProgress
 
 POLL_S = 0.3
@@ -48,87 +49,41 @@ class Inventory(Protocol):
         """A probe inside the VM, if the inventory has one."""
 
 
-def _request(
-    lab: Inventory,
-    name: str,
-    to: str,
-    mode: str,
-    max_downtime_ms: int | None,
-    bandwidth_mib: int = 0,
-    transport: str = "auto",
-    parallel: int = 1,
-) -> tuple[str, dict[str, Any]]:
-    domain = lab.domain(name)
-    source = lab.vm_host(domain)
+def _request(lab: Inventory, request: MigrationRequest, to: str) -> tuple[str, dict[str, Any]]:
+    source = lab.vm_host(request.vm)  # request.vm: the libvirt domain name (lab.domain)
     if source is None:
-        raise exceptions.InvalidInput(what="VM", reason=f"{name!r} is not running")
+        raise exceptions.InvalidInput(what="VM", reason=f"{request.vm!r} is not running")
     dest_name, dest = lab.destination(to)
     if dest_name == source:
-        raise exceptions.InvalidInput(what="destination", reason=f"{name} already runs on {to}")
-    body: dict[str, Any] = {"vm": domain, "mode": mode, "dest": dest}
-    if max_downtime_ms is not None:
-        body["max_downtime_ms"] = max_downtime_ms
-    if bandwidth_mib:
-        body["bandwidth_mib"] = bandwidth_mib
-    if transport != "auto":
-        body["transport"] = transport
-    if parallel != 1:
-        body["parallel"] = parallel
-    return source, body
+        raise exceptions.InvalidInput(
+            what="destination", reason=f"{request.vm} already runs on {to}"
+        )
+    return source, request.to_body() | {"dest": dest}
 
 
-def explain(
-    lab: Inventory,
-    name: str,
-    to: str,
-    mode: str = "auto",
-    max_downtime_ms: int | None = None,
-    bandwidth_mib: int = 0,
-) -> dict[str, Any]:
-    source, body = _request(lab, name, to, mode, max_downtime_ms, bandwidth_mib)
+def explain(lab: Inventory, name: str, to: str, **asked: Any) -> dict[str, Any]:
+    """The source agent's plan for ``name`` (``asked``: MigrationRequest's fields)."""
+    source, body = _request(lab, MigrationRequest(vm=lab.domain(name), **asked), to)
     return lab.agent(source).post("/v1/plan", body)
 
 
-def start(
-    lab: Inventory,
-    name: str,
-    to: str,
-    mode: str = "auto",
-    max_downtime_ms: int | None = None,
-    bandwidth_mib: int = 0,
-    transport: str = "auto",
-    store_writeback: bool = True,
-    parallel: int = 1,
-) -> tuple[str, Any, str]:
+def start(lab: Inventory, name: str, to: str, **asked: Any) -> tuple[str, Any, str]:
     """Start a migration on the source agent: (source host, its agent, migration id)."""
-    source, body = _request(
-        lab, name, to, mode, max_downtime_ms, bandwidth_mib, transport, parallel
-    )
-    if not store_writeback:  # benchmarks compare with and without
-        body["store_writeback"] = False
+    source, body = _request(lab, MigrationRequest(vm=lab.domain(name), **asked), to)
     agent = lab.agent(source)
     return source, agent, agent.post("/v1/migrations", body)["id"]
 
 
-def migrate(
-    lab: Inventory,
-    name: str,
-    to: str,
-    mode: str = "auto",
-    max_downtime_ms: int | None = None,
-    show: bool = True,
-    bandwidth_mib: int = 0,
-    transport: str = "auto",
-    store_writeback: bool = True,
-    parallel: int = 1,
-) -> dict[str, Any]:
-    """Run a FlexMig migration; measure it from inside the guest if the inventory can."""
+def migrate(lab: Inventory, name: str, to: str, show: bool = True, **asked: Any) -> dict[str, Any]:
+    """Run a FlexMig migration; measure it from inside the guest if the inventory can.
+
+    ``asked``: MigrationRequest's fields (mode, max_downtime_ms, bandwidth_mib,
+    transport, parallel, store_writeback), validated before anything is sent.
+    """
     name = lab.domain(name)
     guest = lab.guest(name)
     start_ns = time.monotonic_ns()
-    source, agent, migration_id = start(
-        lab, name, to, mode, max_downtime_ms, bandwidth_mib, transport, store_writeback, parallel
-    )
+    source, agent, migration_id = start(lab, name, to, **asked)
     record = _follow(agent, migration_id, f"{name} {source}->{to.upper()}", show)
     result: dict[str, Any] = {
         "vm": name,

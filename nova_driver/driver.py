@@ -9,13 +9,19 @@ memory, reserve a split budget there (``flexmig.policy.decision.split_budget``);
 hand back the agent's endpoint, a migration-scoped credential and those facts
 in the migrate data (``FlexMigLiveMigrateData``).
 
-Source, ``_live_migration``: sample the guest's dirty pages through libvirt,
-probe the fabric through the destination agent, let ``flexmig.policy`` decide
-(``nova_driver.planning``), then let Nova's own operation build the
-destination XML and start the migration with the decision's flags, watched by
-``nova_driver.monitor`` instead of Nova's timer-driven monitor.  A plan that
-cannot be made rolls the migration back through Nova's own rollback: the VM
-stays ACTIVE on its source.
+Destination, movers: where the ``[migration] transport`` resolves to the
+mover, the local agent starts receiving movers and the offer names them.
+
+Source, ``_live_migration``: read the VM's facts, probe the fabric through the
+destination agent and let the engine plan (``nova_driver.planning`` over
+``flexmig.migration``, the same plan the agent path makes), start the local
+agent's sending movers when the offer has receivers, then let Nova's own
+operation build the destination XML and start the migration with the plan's
+flags, parallel connections and URI, watched by ``nova_driver.monitor`` (the
+engine's controller) instead of Nova's timer-driven monitor.  A migration the
+policy refuses, asked with bad input, or whose facts cannot be read rolls back
+through Nova's own rollback: the VM stays ACTIVE on its source.  A bug is not
+taken for a refusal: it raises, and Nova records the migration as an error.
 
 Cleanup: a failed migration's split reservation is released at the
 destination; after a VM leaves a host, any reservation it held there goes.
@@ -29,17 +35,24 @@ from typing import Any
 from nova import conf as nova_conf
 from nova import exception
 from nova.compute import utils as compute_utils
-from nova.compute import vm_states
 from nova.virt.libvirt import driver as libvirt_driver
 from oslo_log import log as logging
 
-from agents.agent import auth
+from agents.agent import auth, movers
 from agents.agent.client import AgentClient
 from flexmig import exceptions
+from flexmig.migration import options as migration_options
+from flexmig.migration.planner import Plan
 from flexmig.policy.decision import split_budget
+from flexmig.policy.transport import choose_transport
 from nova_driver import conf as flexmig_conf
 from nova_driver import monitor, planning
-from nova_driver.migrate_data import DestinationOffer, FlexMigLiveMigrateData, offer_of
+from nova_driver.migrate_data import (
+    DestinationOffer,
+    FlexMigLiveMigrateData,
+    MoverOffer,
+    offer_of,
+)
 
 LOG = logging.getLogger(__name__)
 CONF = nova_conf.CONF
@@ -47,6 +60,13 @@ flexmig_conf.register_opts(CONF)
 MIB = 2**20
 # The agent refuses smaller split budgets (agents/agent/split_store.py).
 MIN_SPLIT_BUDGET = 64 * MIB
+# What makes planning refuse a migration and Nova roll it back; anything else is a bug.
+NOT_MIGRATABLE = (
+    exceptions.InvalidInput,
+    exceptions.PolicyRefused,
+    exceptions.BackendError,
+    exceptions.MissingPrerequisite,
+)
 
 
 def _libvirt() -> Any:
@@ -55,18 +75,23 @@ def _libvirt() -> Any:
 
 
 class PlannedGuest:
-    """Nova's Guest, whose ``migrate`` uses the plan's flags instead of Nova's."""
+    """Nova's Guest, whose ``migrate`` uses the plan's flags, parallel connections and
+    (over the movers) URI instead of Nova's."""
 
-    def __init__(self, guest: Any, plan: planning.MigrationPlan) -> None:
+    def __init__(self, guest: Any, plan: Plan, migrate_uri: str | None) -> None:
         self._guest = guest
         self._plan = plan
+        self._migrate_uri = migrate_uri
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._guest, name)
 
     def migrate(self, destination: str, **kwargs: Any) -> None:
-        kwargs["flags"] = self._plan.flags(kwargs.get("flags", 0), _libvirt())
-        if self._plan.decision.mode == "split" and kwargs.get("destination_xml"):
+        kwargs["flags"] = self._plan.merged_flags(kwargs.get("flags", 0), _libvirt())
+        kwargs["parallel"] = self._plan.parallel
+        if self._migrate_uri:
+            kwargs["migrate_uri"] = self._migrate_uri
+        if self._plan.mode == "split" and kwargs.get("destination_xml"):
             kwargs["destination_xml"] = planning.split_destination_xml(kwargs["destination_xml"])
         LOG.debug("FlexMig: migrating with libvirt flags %#x", kwargs["flags"])
         self._guest.migrate(destination, **kwargs)
@@ -82,7 +107,8 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         # This host's agent, fixed at start like the rest of this host's config.
         self._agent_endpoint = (CONF.flexmig.agent_address or CONF.my_ip, CONF.flexmig.agent_port)
         super().__init__(virtapi, read_only)
-        self._flexmig_plans: dict[str, planning.MigrationPlan] = {}
+        self._flexmig_plans: dict[str, Plan] = {}
+        self._flexmig_uris: dict[str, str] = {}  # instance: the movers' URI
         # Instances whose offloaded flows the local agent is moving: the body
         # that names the migration and its destination agent.
         self._flexmig_flows: dict[str, dict[str, Any]] = {}
@@ -135,7 +161,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         if (
             budget is not None
             and budget >= MIN_SPLIT_BUDGET
-            and "split" in CONF.flexmig.allowed_modes
+            and "split" in CONF.migration.allowed_modes
             and CONF.libvirt.file_backed_memory
         ):
             agent.post(
@@ -146,6 +172,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         if reserved is None and CONF.libvirt.file_backed_memory:
             self._writeback(instance, active=True)
         migration_id = data.migration.uuid if "migration" in data else instance.uuid
+        mover = self._start_receivers(agent, facts, migration_id)
         scope, key = planning.scoped_credential(
             self._flexmig_key,
             migration_id,
@@ -160,6 +187,30 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             free_for_vms_bytes=int(facts["free_for_vms_bytes"]),
             store_free_bytes=int(facts["store_free_bytes"]),
             split_budget_bytes=reserved,
+            mover=mover,
+        )
+
+    def _start_receivers(
+        self, agent: AgentClient, facts: dict[str, Any], migration_id: str
+    ) -> MoverOffer | None:
+        """Receiving movers where the transport resolves to them; their offer."""
+        opts = migration_options.read(CONF)
+        choice = choose_transport(
+            opts.transport, facts.get("rdma_provider") is True, opts.tcp_fabric_transport
+        )
+        if choice.transport != "mover":
+            return None
+        mid, salt = auth.mover_id(migration_id), movers.new_token_salt()
+        # QEMU's multifd opens the main connection and one per channel.
+        parallel = CONF.libvirt.live_migration_parallel_connections
+        streams = parallel + 1 if parallel > 1 else 1
+        body = {"migration_id": mid, "token_salt": salt, "streams": streams}
+        reply = agent.post("/v1/mover/receive", body)
+        return MoverOffer(
+            migration_id=mid,
+            token_salt=salt,
+            address=str(reply["address"]),
+            ports=tuple(int(port) for port in reply["ports"]),
         )
 
     def rollback_live_migration_at_destination(
@@ -243,25 +294,18 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             )
             return
         try:
-            guest = self._host.get_guest(instance)
-            plan = planning.plan(
-                self._host.get_connection(),
-                guest._domain,
-                CONF.host,
-                offer,
-                CONF,
-                paused=instance.vm_state == vm_states.PAUSED,
-            )
-        except planning.PlanningFailed as exc:
-            LOG.error("%s; the VM stays on this host", exc, instance=instance)
+            plan = self._plan(instance, offer)
+            uri = self._start_senders(plan, offer)
+        except NOT_MIGRATABLE as exc:
+            LOG.error("FlexMig: %s; the VM stays on this host", exc, instance=instance)
             self._record_event(context, instance, "flexmig_refused")
             recover_method(context, instance, dest, migrate_data)
             return
-        LOG.info(
-            "FlexMig chose %s:\n%s", plan.decision.mode, plan.decision.explain(), instance=instance
-        )
-        self._record_event(context, instance, f"flexmig_{plan.decision.mode}")
+        LOG.info("FlexMig chose %s:\n%s", plan.mode, plan.explain(), instance=instance)
+        self._record_event(context, instance, f"flexmig_{plan.mode}")
         self._flexmig_plans[instance.uuid] = plan
+        if uri:
+            self._flexmig_uris[instance.uuid] = uri
         self._offload_depart(instance, offer, migrate_data)
         try:
             super()._live_migration(
@@ -269,6 +313,67 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             )
         finally:
             self._flexmig_plans.pop(instance.uuid, None)
+            self._flexmig_uris.pop(instance.uuid, None)
+
+    def _plan(self, instance: Any, offer: DestinationOffer) -> Plan:
+        guest = self._host.get_guest(instance)
+        return planning.plan(
+            self._host.get_connection(),
+            guest._domain,
+            CONF.host,
+            offer,
+            CONF,
+            migration_options.read(CONF),
+            self._local_agent(),
+            _libvirt().libvirtError,
+        )
+
+    def _start_senders(self, plan: Plan, offer: DestinationOffer) -> str | None:
+        """The local agent's sending movers towards the offer's receivers: QEMU's URI."""
+        if plan.transport.transport != "mover" or offer.mover is None:
+            return None
+        # Parallel connections carry precopy only: a plan that dropped them
+        # uses the first receiver; the destination's others are aborted at the end.
+        streams = plan.parallel + 1 if plan.parallel > 1 else 1
+        body = {
+            "migration_id": offer.mover.migration_id,
+            "token_salt": offer.mover.token_salt,
+            "peer": offer.mover.address,
+            "ports": list(offer.mover.ports[:streams]),
+        }
+        return str(self._local_agent().post("/v1/mover/send", body)["uri"])
+
+    def _finish_movers(self, offer: DestinationOffer | None, ok: bool) -> None:
+        """Both sides' movers once the job ended: statistics, or killed after a failure."""
+        if offer is None or offer.mover is None:
+            return
+        body: dict[str, Any] = {"migration_id": offer.mover.migration_id}
+        if not ok:
+            body["abort"] = True
+        agents = (
+            ("source", self._local_agent()),
+            (
+                "destination",
+                planning.destination_agent(
+                    offer, CONF.flexmig.agent_timeout, CONF.flexmig.agent_ca_file
+                ),
+            ),
+        )
+        for side, agent in agents:
+            try:
+                reply = agent.post("/v1/mover/finish", body, timeout=40)
+            except exceptions.FlexMigError as exc:
+                LOG.warning("FlexMig: %s movers: %s", side, exc)
+                continue
+            if "stats" in reply:
+                stats = reply["stats"]
+                LOG.info(
+                    "FlexMig: %s movers moved %s bytes in %s stream(s) at %s MiB/s",
+                    side,
+                    stats.get("bytes"),
+                    stats.get("streams"),
+                    stats.get("mib_per_s"),
+                )
 
     # -- offloaded flows follow the VM (through the agents: agents/agent/offload_hook.py)
     def _offload_depart(self, instance: Any, offer: DestinationOffer, migrate_data: Any) -> None:
@@ -340,7 +445,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
                 dest,
                 block_migration,
                 migrate_data,
-                PlannedGuest(guest, plan),
+                PlannedGuest(guest, plan, self._flexmig_uris.get(instance.uuid)),
                 device_names,
             )
         except Exception as exc:  # noqa: BLE001 - the job's state decides, not the call
@@ -380,30 +485,38 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             )
             return
         self._set_downtime(guest, plan, instance)
+        opts = migration_options.read(CONF)
         watch = monitor.PlanMonitor(
             _libvirt(),
             self._host,
             plan,
             migrate_data.migration,
-            CONF.flexmig.stall_timeout,
+            opts.stall_timeout_s,
             CONF.libvirt.live_migration_monitor_interval,
             self.active_migrations,
-            CONF.flexmig.max_downtime_ms,
+            opts.setup_timeout_s,
         )
+        outcome = {"ok": False}
 
         def done(_info: Any) -> None:
+            outcome["ok"] = True
+            self._finish_movers(offer_of(migrate_data), ok=True)
             post_method(context, instance, dest, block_migration, migrate_data)
 
         def failed(_info: Any, status: str | None) -> None:
+            self._finish_movers(offer_of(migrate_data), ok=False)
+            outcome["ok"] = None  # finished already
             extra = {"migration_status": status} if status else {}
             recover_method(context, instance, dest, migrate_data, **extra)
 
         try:
             watch.run(instance, guest, future, done, failed)
         finally:
+            if outcome["ok"] is False:  # the watch itself raised
+                self._finish_movers(offer_of(migrate_data), ok=False)
             self._clear_empty_migration(instance)
 
-    def _set_downtime(self, guest: Any, plan: planning.MigrationPlan, instance: Any) -> None:
+    def _set_downtime(self, guest: Any, plan: Plan, instance: Any) -> None:
         """The decision's downtime limit, once, instead of Nova's stepped increase."""
         deadline = time.monotonic() + CONF.flexmig.agent_timeout
         while True:

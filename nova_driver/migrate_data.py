@@ -4,7 +4,8 @@ The destination's ``pre_live_migration`` returns its ``LibvirtLiveMigrateData``
 to the source over Nova's compute RPC.  ``FlexMigLiveMigrateData`` is that
 object plus one typed field, ``flexmig_offer``: a ``FlexMigOffer`` (its
 agent's endpoint, a migration-scoped credential, its free memory and store,
-and the split reservation it made).  Both are registered versioned objects of
+the split reservation it made and, over the mover transport, the receiving
+movers it started: a ``FlexMigMoverOffer``).  Both are registered versioned objects of
 their own names and versions (``tests/unit/test_nova_objects.py`` holds their
 hashes, as Nova's ``test_objects.py`` does for Nova's), so Nova's RPC
 serializer carries them like any other; ``FlexMigLiveMigrateData`` is a
@@ -44,6 +45,51 @@ class DestinationOffer:
     free_for_vms_bytes: int
     store_free_bytes: int
     split_budget_bytes: int | None  # the resident budget reserved, or None
+    # The receiving movers it started, or None: the stream goes over QEMU's own TCP.
+    mover: MoverOffer | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class MoverOffer:
+    migration_id: str
+    # The mover token is derived from this salt and the agents' key on both
+    # ends (auth.mover_token): the token itself never crosses Nova's RPC.
+    token_salt: str
+    address: str  # where the receivers listen
+    ports: tuple[int, ...]  # the main connection's first, then one per channel
+
+
+@obj_base.NovaObjectRegistry.register
+class FlexMigMoverOffer(obj_base.NovaObject):
+    """The receiving movers on the wire (``MoverOffer``'s fields, typed)."""
+
+    # Version 1.0: Initial version
+    VERSION = "1.0"
+
+    fields = {
+        "migration_id": fields.StringField(),
+        "token_salt": fields.StringField(),
+        "address": fields.StringField(),
+        "ports": fields.ListOfIntegersField(),
+    }
+
+    @classmethod
+    def from_offer(cls, offer: MoverOffer) -> FlexMigMoverOffer:
+        return cls(
+            migration_id=offer.migration_id,
+            token_salt=offer.token_salt,
+            address=offer.address,
+            ports=list(offer.ports),
+        )
+
+    def to_offer(self) -> MoverOffer:
+        missing = [name for name in sorted(self.fields) if not self.obj_attr_is_set(name)]
+        if missing:
+            raise exceptions.InvalidInput(
+                what="FlexMig migrate data",
+                reason=f"the movers' offer lacks {', '.join(missing)}",
+            )
+        return MoverOffer(self.migration_id, self.token_salt, self.address, tuple(self.ports))
 
 
 @obj_base.NovaObjectRegistry.register
@@ -62,6 +108,7 @@ class FlexMigOffer(obj_base.NovaObject):
         "free_for_vms_bytes": fields.IntegerField(),
         "store_free_bytes": fields.IntegerField(),
         "split_budget_bytes": fields.IntegerField(nullable=True),
+        "mover": fields.ObjectField("FlexMigMoverOffer", nullable=True),
     }
 
     def __repr__(self) -> str:
@@ -75,17 +122,24 @@ class FlexMigOffer(obj_base.NovaObject):
 
     @classmethod
     def from_offer(cls, offer: DestinationOffer) -> FlexMigOffer:
-        return cls(**dataclasses.asdict(offer))
+        values = {f.name: getattr(offer, f.name) for f in dataclasses.fields(offer)}
+        mover = values.pop("mover")
+        return cls(**values, mover=None if mover is None else FlexMigMoverOffer.from_offer(mover))
 
     def to_offer(self) -> DestinationOffer:
-        names = [f.name for f in dataclasses.fields(DestinationOffer)]
+        names = [f.name for f in dataclasses.fields(DestinationOffer) if f.name != "mover"]
         missing = [name for name in names if not self.obj_attr_is_set(name)]
         if missing:
             raise exceptions.InvalidInput(
                 what="FlexMig migrate data",
                 reason=f"the destination offer lacks {', '.join(missing)}",
             )
-        return DestinationOffer(**{name: getattr(self, name) for name in names})
+        # An offer from before the mover field was set has no movers.
+        wire_mover = self.mover if self.obj_attr_is_set("mover") else None
+        return DestinationOffer(
+            **{name: getattr(self, name) for name in names},
+            mover=None if wire_mover is None else wire_mover.to_offer(),
+        )
 
 
 @obj_base.NovaObjectRegistry.register

@@ -1,13 +1,16 @@
-"""Watching a FlexMig migration the way Nova's monitor does, with the plan's switch.
+"""The Nova driver's executor of a plan: Nova's monitor loop, the engine's controller.
 
 Nova's own ``_live_migration_monitor`` raises the downtime in steps and acts
 on a completion timer (abort, or force postcopy).  FlexMig replaces those two
-with the plan: the downtime limit is the decision's from the start, hybrid
-switches to postcopy after the decision's precopy rounds, and a stream with no
-progress for ``[flexmig] stall_timeout`` is aborted while abort is still safe.
-Everything else is Nova's: its job-type untangling, its queued tasks
-(force-complete, which switches to postcopy only where the plan enabled it),
-its progress records on the migration object and its post/recover callbacks.
+with the engine's ``Controller`` (``flexmig.migration.controller``), the one
+the agent's job uses too: the downtime limit is the decision's from the start,
+hybrid switches to postcopy after the decision's precopy rounds, the in-flight
+correction applies, and a stream with no progress for ``[migration]
+stall_timeout`` is aborted while abort is still safe (once postcopy runs,
+libvirt and QEMU own its recovery on this path).  Everything else is Nova's:
+its job-type untangling, its queued tasks (force-complete, which switches to
+postcopy only where the plan enabled it), its progress records on the
+migration object and its post/recover callbacks.
 """
 
 from __future__ import annotations
@@ -22,8 +25,9 @@ from nova.virt.libvirt import migration as libvirt_migrate
 from oslo_log import log as logging
 
 from flexmig import exceptions, hypervisor
-from flexmig.policy import inflight
-from nova_driver.planning import MigrationPlan
+from flexmig.migration import controller
+from flexmig.migration.controller import Action, Controller
+from flexmig.migration.planner import Plan
 
 LOG = logging.getLogger(__name__)
 POLL_S = 0.5
@@ -35,14 +39,20 @@ CALL_TIMEOUT_S = 30.0
 
 @dataclasses.dataclass
 class MonitorState:
-    switched: bool = False
-    last_processed: int = -1
-    last_move: float = dataclasses.field(default_factory=time.monotonic)
     last_iteration: int = -1
     polls: int = 0
     aborted_for: str | None = None
-    limit_ms: int = 0  # the downtime limit in force
-    stopped: bool = False  # paused for stop-and-copy
+
+
+def job_stats(info: Any) -> dict[str, int]:
+    """Nova's JobInfo as libvirt's job statistics, what the controller reads."""
+    return {
+        "memory_iteration": info.memory_iteration,
+        "memory_processed": info.memory_processed,
+        "memory_remaining": info.memory_remaining,
+        "memory_total": info.memory_total,
+        "memory_bps": info.memory_bps,
+    }
 
 
 def _percent_remaining(info: Any) -> int:
@@ -58,22 +68,23 @@ class PlanMonitor:
         self,
         libvirt: Any,
         host: Any,
-        plan: MigrationPlan,
+        plan: Plan,
         migration: Any,
         stall_timeout_s: float,
         save_interval_s: float,
         active_migrations: dict[str, collections.deque[str]],
-        budget_ms: int,
+        setup_timeout_s: float | None = None,
     ) -> None:
         self.libvirt = libvirt
         self.host = host
         self.plan = plan
         self.migration = migration
-        self.stall_timeout_s = stall_timeout_s
         self.save_every = max(1, int(save_interval_s / POLL_S))
         self.active_migrations = active_migrations
-        self.budget_ms = budget_ms
-        self.state = MonitorState(limit_ms=plan.decision.max_downtime_ms)
+        self.state = MonitorState()
+        self.control = Controller(
+            plan, stall_timeout_s, recovers_postcopy=False, setup_timeout_s=setup_timeout_s
+        )
 
     def run(
         self,
@@ -129,20 +140,10 @@ class PlanMonitor:
             migration,
             self.plan.decision.transfer == "postcopy",
         )
-        if migration.status == "running (post-copy)":
-            self.state.switched = True
-        stats = {"memory_iteration": info.memory_iteration}
-        if not self.state.switched and self.plan.mode.should_switch_to_postcopy(
-            self.plan.decision, stats
-        ):
-            LOG.info(
-                "FlexMig hybrid: switching to postcopy after precopy round %d (the plan's)",
-                info.memory_iteration - 1,
-            )
-            self._switch(guest, instance)
-        if not self.state.switched and not self.state.stopped:
-            self._correct(instance, guest, info, on_failure)
-        self._watch_progress(guest, info)
+        if migration.status == "running (post-copy)" and not self.control.switched:
+            self.control.done(Action(controller.SWITCH, "Nova's force-complete"))
+        for action in self.control.on_stats(job_stats(info), time.monotonic()):
+            self._apply(action, instance, guest, on_failure)
         if self.state.polls % self.save_every == 0 or info.memory_iteration != (
             self.state.last_iteration
         ):
@@ -150,41 +151,27 @@ class PlanMonitor:
             self.state.last_iteration = info.memory_iteration
         self.state.polls += 1
 
-    def _correct(
-        self, instance: Any, guest: Any, info: Any, on_failure: collections.deque[str]
+    def _apply(
+        self, action: Action, instance: Any, guest: Any, on_failure: collections.deque[str]
     ) -> None:
-        """A stream slower than planned: the policy's in-flight correction."""
-        decision = self.plan.decision
-        change = inflight.adjust(
-            inflight.Progress(
-                iteration=info.memory_iteration,
-                processed_bytes=info.memory_processed,
-                remaining_bytes=info.memory_remaining,
-                ram_bytes=decision.ram_bytes,
-                bandwidth_bps=info.memory_bps,
-            ),
-            planned_rounds=len(decision.prediction.rounds),
-            limit_ms=self.state.limit_ms,
-            budget_ms=self.budget_ms,
-            postcopy_enabled=decision.transfer == "postcopy",
-        )
-        if change.action == "none":
+        LOG.info("FlexMig: %s: %s", action.kind, action.reason, instance=instance)
+        try:
+            if action.kind == controller.SWITCH:
+                self._switch(guest, instance, action)
+                return
+            elif action.kind == controller.SET_DOWNTIME and action.downtime_ms is not None:
+                guest.migrate_configure_max_downtime(action.downtime_ms)
+            elif action.kind == controller.PAUSE_GUEST:
+                # Nova's own force-complete does the same for a precopy; a failed
+                # migration resumes the guest through Nova's recovery tasks.
+                guest.pause()
+                on_failure.append("unpause")
+            elif action.kind == controller.INTERRUPT:
+                self._abort(guest, action.reason)
+        except self.libvirt.libvirtError as exc:
+            LOG.warning("FlexMig: libvirt refused to %s: %s", action.kind, exc)
             return
-        LOG.info("FlexMig: %s", change.reason, instance=instance)
-        if change.action == "switch_postcopy":
-            self._switch(guest, instance)
-        elif change.action == "raise_downtime" and change.downtime_ms is not None:
-            try:
-                guest.migrate_configure_max_downtime(change.downtime_ms)
-            except self.libvirt.libvirtError as exc:
-                LOG.warning("FlexMig: libvirt refused the downtime limit: %s", exc)
-            self.state.limit_ms = change.downtime_ms
-        elif change.action == "stop_and_copy":
-            # Nova's own force-complete does the same for a precopy; a failed
-            # migration resumes the guest through Nova's recovery tasks.
-            guest.pause()
-            on_failure.append("unpause")
-            self.state.stopped = True
+        self.control.done(action)
 
     def _job_info(self, guest: Any) -> Any | None:
         try:
@@ -195,12 +182,11 @@ class PlanMonitor:
 
     def _unanswered(self, guest: Any) -> None:
         """libvirt gives no job info: no progress, so a precopy is aborted in time."""
-        if self.state.switched or self.state.aborted_for:
-            return
-        if time.monotonic() - self.state.last_move > self.stall_timeout_s:
-            self._abort(guest, f"libvirt gave no job info for {self.stall_timeout_s:.0f} s")
+        for action in self.control.on_stats({}, time.monotonic()):
+            if action.kind == controller.INTERRUPT and not self.state.aborted_for:
+                self._abort(guest, f"libvirt gave no job info ({action.reason})")
 
-    def _switch(self, guest: Any, instance: Any) -> None:
+    def _switch(self, guest: Any, instance: Any, action: Action) -> None:
         """Nova's switch, bounded: unanswered, the precopy is aborted (the VM is whole)."""
         try:
             hypervisor.bounded(
@@ -212,7 +198,8 @@ class PlanMonitor:
             # If QEMU did switch after all, libvirt refuses the abort and the
             # migration goes on as postcopy.
             self._abort(guest, str(exc))
-        self.state.switched = self.migration.status == "running (post-copy)"
+        if self.migration.status == "running (post-copy)":
+            self.control.done(action)
 
     def _abort(self, guest: Any, reason: str) -> None:
         self.state.aborted_for = reason
@@ -221,15 +208,3 @@ class PlanMonitor:
             hypervisor.bounded(guest.abort_job, CALL_TIMEOUT_S, "libvirt to abort the job")
         except (self.libvirt.libvirtError, exceptions.Timeout) as exc:
             LOG.warning("FlexMig: the abort failed: %s", exc)
-
-    def _watch_progress(self, guest: Any, info: Any) -> None:
-        now = time.monotonic()
-        if info.memory_processed != self.state.last_processed:
-            self.state.last_processed, self.state.last_move = info.memory_processed, now
-            return
-        if self.state.switched or self.state.aborted_for:
-            # Once postcopy runs the guest lives on the destination: aborting
-            # would lose it; libvirt and QEMU own postcopy recovery.
-            return
-        if now - self.state.last_move > self.stall_timeout_s:
-            self._abort(guest, f"no progress for {self.stall_timeout_s:.0f} s")

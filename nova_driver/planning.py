@@ -1,69 +1,28 @@
-"""The source side's planning: gather the policy's inputs, let ``flexmig.policy`` decide.
+"""The Nova source side's planning: an adapter over ``flexmig.migration``.
 
-Inputs come from where they live: the VM's size, memory backing and devices
-from its libvirt definition, its dirty pages from libvirt's dirty-rate
-calculation, the fabric's rate from a probe of the destination agent, the
-destination's free memory and store from the offer it put in the migrate
-data.  The decision itself is ``flexmig.policy.decision.decide``; here it only
-becomes libvirt flags and a bandwidth.
+Inputs come from where they live: the VM's facts from libvirt through the
+engine's one reader (its filesystem-backed memory judged by the filesystem of
+this host's memory store, which the local agent reports), the fabric's rate
+from a probe of the destination agent, the destination's free memory, store,
+split reservation and movers from the offer it put in the migrate data.  The
+plan is the engine's, exactly as the agent path makes it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import xml.etree.ElementTree as ET
 from typing import Any
 
-from stevedore import driver as stevedore_driver
-
 from agents.agent import auth
 from agents.agent.client import AgentClient
-from flexmig import exceptions, vm_facts
-from flexmig.modes.base import MigrationMode
-from flexmig.policy import dirty_model
-from flexmig.policy.decision import Decision, MigrationInputs, decide
+from flexmig import exceptions
+from flexmig.migration import facts, planner
+from flexmig.migration.options import EngineOptions
+from flexmig.migration.planner import Plan
+from flexmig.migration.request import MigrationRequest
 from nova_driver.migrate_data import DestinationOffer
 
 MIB = 2**20
-PAGE = 4096
-
-
-class PlanningFailed(exceptions.FlexMigError):
-    msg_fmt = "FlexMig could not plan the migration of %(vm)s: %(reason)s"
-
-
-@dataclasses.dataclass(frozen=True)
-class GuestMemory:
-    ram_bytes: int
-    resident_bytes: int
-    file_backed: bool
-    postcopy_blocker: str | None
-
-
-@dataclasses.dataclass(frozen=True)
-class MigrationPlan:
-    decision: Decision
-    mode: MigrationMode
-    bandwidth_mib: int  # 0: unlimited
-    offer: DestinationOffer
-
-    def flags(self, nova_flags: int, libvirt: Any) -> int:
-        return merge_flags(nova_flags, self.mode.flags(self.decision), libvirt)
-
-
-def merge_flags(nova_flags: int, mode_flags: int, libvirt: Any) -> int:
-    """Nova's flags (tunnelling, TLS, block migration…) with the mode's own choices.
-
-    Postcopy and auto-converge are the decision's, whatever Nova's
-    ``live_migration_permit_*`` options say; everything else stays Nova's.
-
-    >>> import types
-    >>> lv = types.SimpleNamespace(VIR_MIGRATE_POSTCOPY=32768, VIR_MIGRATE_AUTO_CONVERGE=8192)
-    >>> merge_flags(1 | 2 | 8192, 1 | 32768, lv)
-    32771
-    """
-    chosen = libvirt.VIR_MIGRATE_POSTCOPY | libvirt.VIR_MIGRATE_AUTO_CONVERGE
-    return (nova_flags & ~chosen) | (mode_flags & chosen)
 
 
 def split_destination_xml(xml: str) -> str:
@@ -86,43 +45,9 @@ def split_destination_xml(xml: str) -> str:
     return ET.tostring(root, encoding="unicode")
 
 
-def guest_memory(xml: str, max_memory_kib: int, memory_stats: dict[str, int]) -> GuestMemory:
-    """The guest's memory facts from its libvirt definition and memory statistics.
-
-    Resident is QEMU's RSS where libvirt reports it (capped at RAM), else all
-    of RAM: over-estimating what moves keeps the prediction on the safe side.
-    """
-    root = ET.fromstring(xml)
-    ram = max_memory_kib * 1024
-    rss = memory_stats.get("rss")
-    resident = min(ram, rss * 1024) if rss else ram
-    backing = root.find("memoryBacking")
-    file_backed = (
-        backing is not None
-        and backing.find("source[@type='file']") is not None
-        and backing.find("access[@mode='shared']") is not None
-    )
-    blocker = None
-    if root.find("devices/hostdev") is not None:
-        blocker = "the VM has a passthrough device"
-    elif file_backed:
-        # Nova's memory_backing_dir is a disk-backed store (that is what lets
-        # split place memory there); userfaultfd serves only tmpfs/hugetlbfs.
-        blocker = "its memory is file-backed, and userfaultfd cannot serve a disk-backed file"
-    return GuestMemory(ram, resident, file_backed, blocker)
-
-
-def load_mode(name: str) -> MigrationMode:
-    try:
-        return stevedore_driver.DriverManager("flexmig.modes", name, invoke_on_load=True).driver
-    except Exception as exc:
-        raise exceptions.InvalidInput(what="migration mode", reason=f"{name}: {exc}") from exc
-
-
-def destination_agent(
-    offer: DestinationOffer, timeout: float, ca_file: str | None = None
-) -> AgentClient:
-    """A client that holds only the migration-scoped credential the destination issued."""
+def destination_agent(offer: DestinationOffer, timeout: float, ca_file: str | None) -> AgentClient:
+    """A client that holds only the migration-scoped credential the destination issued
+    (over TLS against ``ca_file`` when the agents serve TLS)."""
     return AgentClient(
         offer.agent_address,
         offer.agent_port,
@@ -133,27 +58,22 @@ def destination_agent(
     )
 
 
-def fabric_bandwidth(offer: DestinationOffer, conf: Any) -> float:
-    """Bytes/s the stream is planned at: assumed rate, probed fabric, Nova's cap."""
-    bandwidth = float(conf.flexmig.stream_bandwidth_mib * MIB)
-    if conf.flexmig.bandwidth_probe_mib:
-        agent = destination_agent(offer, conf.flexmig.agent_timeout, conf.flexmig.agent_ca_file)
-        bandwidth = min(bandwidth, agent.probe_bandwidth(conf.flexmig.bandwidth_probe_mib))
-    if conf.libvirt.live_migration_bandwidth:
-        bandwidth = min(bandwidth, conf.libvirt.live_migration_bandwidth * MIB)
-    return bandwidth
-
-
-def blockers(conf: Any, memory: GuestMemory, paused: bool) -> tuple[str | None, str | None]:
-    """(postcopy blocker, split blocker) from the VM and the operator's allowed modes."""
-    allowed = set(conf.flexmig.allowed_modes)
-    postcopy = memory.postcopy_blocker
-    if postcopy is None and "postcopy" not in allowed:
-        postcopy = "postcopy is not in [flexmig] allowed_modes"
-    if postcopy is None and paused:
-        postcopy = "the VM is paused (libvirt refuses postcopy for a paused VM)"
-    split = None if "split" in allowed else "split is not in [flexmig] allowed_modes"
-    return postcopy, split
+def request_for(
+    dom: Any, offer: DestinationOffer, opts: EngineOptions, conf: Any
+) -> MigrationRequest:
+    """What Nova asks of a migration: its own bandwidth cap and parallel connections
+    ([libvirt] live_migration_bandwidth, live_migration_parallel_connections),
+    the engine's transport.  The destination already resolved the transport (it
+    started receiving movers, or did not): the mover exactly where it did."""
+    transport = "mover" if offer.mover else opts.transport
+    if transport == "mover" and not offer.mover:
+        transport = "qemu-tcp"
+    return MigrationRequest(
+        vm=dom.name(),
+        bandwidth_mib=conf.libvirt.live_migration_bandwidth or 0,
+        transport=transport,
+        parallel=conf.libvirt.live_migration_parallel_connections,
+    )
 
 
 def plan(
@@ -162,53 +82,34 @@ def plan(
     host: str,
     offer: DestinationOffer,
     conf: Any,
-    paused: bool = False,
-) -> MigrationPlan:
-    """Decide the mode and parameters for migrating ``dom`` to the offer's host."""
-    vm = dom.name()
+    opts: EngineOptions,
+    local_agent: AgentClient,
+    libvirt_error: type[Exception],
+) -> Plan:
+    """Plan migrating ``dom`` to the offer's host.
+
+    Bad input, a refusal and a backend failure (libvirt errors of Nova's
+    binding, ``libvirt_error``, wrapped) raise the engine's errors; a bug
+    raises as it is.
+    """
+    request = request_for(dom, offer, opts, conf)
     try:
-        memory = guest_memory(dom.XMLDesc(0), dom.maxMemory(), dom.memoryStats())
-        samples = vm_facts.sample_dirty_pages(
-            conn, dom, host, tuple(conf.flexmig.dirty_sample_seconds)
-        )
-        bandwidth = fabric_bandwidth(offer, conf)
-        postcopy_blocker, split_blocker = blockers(conf, memory, paused)
-        decision = decide(
-            MigrationInputs(
-                vm=vm,
-                ram_bytes=memory.ram_bytes,
-                resident_bytes=memory.resident_bytes,
-                dirty=dirty_model.fit(samples, max_pages=memory.ram_bytes / PAGE),
-                bandwidth_bps=bandwidth,
-                dest_free_bytes=offer.free_for_vms_bytes,
-                dest_store_free_bytes=offer.store_free_bytes,
-                file_backed=memory.file_backed,
-                max_downtime_ms=conf.flexmig.max_downtime_ms,
-                postcopy_blocker=postcopy_blocker,
-                split_blocker=split_blocker,
-            )
-        )
-    except exceptions.FlexMigError as exc:
-        raise PlanningFailed(vm=vm, reason=str(exc)) from exc
-    except Exception as exc:  # a libvirt error from Nova's (possibly fake) binding
-        raise PlanningFailed(vm=vm, reason=f"{type(exc).__name__}: {exc}") from exc
-    _check_allowed(decision, conf, offer)
-    cap = conf.libvirt.live_migration_bandwidth
-    return MigrationPlan(decision, load_mode(decision.mode), cap, offer)
-
-
-def _check_allowed(decision: Decision, conf: Any, offer: DestinationOffer) -> None:
-    if decision.mode not in conf.flexmig.allowed_modes:
-        raise PlanningFailed(
-            vm=decision.vm,
-            reason=f"the policy chose {decision.mode}, which [flexmig] allowed_modes "
-            f"excludes:\n{decision.explain()}",
-        )
-    if decision.mode == "split" and offer.split_budget_bytes is None:
-        raise PlanningFailed(
-            vm=decision.vm,
-            reason="the policy chose split but the destination reserved no budget for it",
-        )
+        store_fs = local_agent.get("/v1/facts").get("store_fs_type")
+        vm = facts.read_vm(conn, dom, host, opts.dirty_sample_seconds, None, store_fs)
+    except libvirt_error as exc:
+        raise exceptions.HypervisorError(
+            host=host, action=f"read {request.vm}'s facts", reason=str(exc)
+        ) from exc
+    fabric = None
+    if opts.bandwidth_probe_mib:
+        agent = destination_agent(offer, conf.flexmig.agent_timeout, conf.flexmig.agent_ca_file)
+        fabric = agent.probe_bandwidth(opts.bandwidth_probe_mib)
+    dest = planner.DestinationFacts(
+        free_for_vms_bytes=offer.free_for_vms_bytes,
+        store_free_bytes=offer.store_free_bytes,
+        split_reserved=offer.split_budget_bytes is not None,
+    )
+    return planner.plan(request, vm, dest, planner.LinkFacts(fabric_bps=fabric), opts)
 
 
 def scoped_credential(key: bytes, migration_id: str, vm: str, expires: float) -> tuple[str, str]:

@@ -1,8 +1,10 @@
 """The agent's control API: JSON over HTTP, every request authenticated.
 
-A request without a valid credential gets 401, a malformed one 400; neither
-changes anything.  Backend errors come back as JSON with the FlexMig message,
-never as a traceback.
+A request without a valid credential gets 401, a malformed one 400, one for
+something that does not exist 404; none changes anything.  A migration the
+policy refuses gets 409 with its reasons; a backend failure (libvirt, a peer
+agent, a command) 502; a bug 500, logged with its traceback.  Every error
+comes back as JSON with the FlexMig message, never as a traceback.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ MAX_BODY = 64 * 1024
 Handler = Callable[[dict[str, Any], re.Match[str]], tuple[int, dict[str, Any]]]
 
 
-class BadRequest(exceptions.FlexMigError):
+class BadRequest(exceptions.InvalidInput):
     msg_fmt = "Bad request: %(reason)s"
 
 
@@ -49,6 +51,32 @@ def check_fields(
             not isinstance(body[key], kind) or isinstance(body[key], bool) and kind is int
         ):
             raise BadRequest(reason=f"field {key!r} has the wrong type")
+
+
+def error_reply(exc: Exception) -> tuple[int, dict[str, Any]]:
+    """The HTTP status and JSON body an error becomes.
+
+    >>> error_reply(exceptions.PolicyRefused("vm1", ["split is unavailable"]))
+    (409, {'error': 'FlexMig refuses to migrate vm1: split is unavailable', \
+'kind': 'refused', 'vm': 'vm1', 'reasons': ['split is unavailable']})
+    >>> error_reply(KeyError("x"))[0]
+    500
+    """
+    if isinstance(exc, exceptions.NotFound):
+        return 404, {"error": str(exc), "kind": "not_found"}
+    if isinstance(exc, ValueError | exceptions.InvalidInput):
+        return 400, {"error": str(exc), "kind": "invalid_input"}
+    if isinstance(exc, Forbidden):
+        return 403, {"error": str(exc), "kind": "forbidden"}
+    if isinstance(exc, exceptions.PolicyRefused):
+        reply = {"error": str(exc), "kind": "refused", "vm": exc.vm, "reasons": list(exc.reasons)}
+        return 409, reply
+    if isinstance(exc, exceptions.BackendError):
+        return 502, {"error": str(exc), "kind": "backend"}
+    if isinstance(exc, exceptions.FlexMigError):
+        return 500, {"error": str(exc), "kind": "error"}
+    error = exceptions.InternalError(action="serving the request", error=repr(exc))
+    return 500, {"error": str(error), "kind": "internal"}
 
 
 class Router:
@@ -109,15 +137,10 @@ def make_handler(verifier: auth.Verifier, router: Router) -> type[BaseHTTPReques
                 if not isinstance(body, dict):
                     raise BadRequest(reason="the body must be a JSON object")
                 status, payload = router.dispatch(method, self.path, body)
-            except (ValueError, BadRequest, exceptions.InvalidInput) as exc:
-                status, payload = 400, {"error": str(exc)}
-            except Forbidden as exc:
-                status, payload = 403, {"error": str(exc)}
-            except exceptions.FlexMigError as exc:
-                status, payload = 500, {"error": str(exc)}
             except Exception as exc:
-                LOG.exception("internal error on %s %s", method, self.path)
-                status, payload = 500, {"error": f"internal error: {exc!r}"}
+                status, payload = error_reply(exc)
+                if status == 500:
+                    LOG.exception("internal error on %s %s", method, self.path)
             self._reply(status, payload)
 
         def do_GET(self) -> None:

@@ -36,13 +36,15 @@ SCOPE_RE = re.compile(
     r"/(?P<expires>[0-9]{1,12})$"
 )
 # What a migration-scoped credential may read: liveness, host facts, the
-# fabric probe and split status.  The one change it may make is releasing its
-# own VM's split reservation (checked against the body).
+# fabric probe and split status.  The changes it may make: releasing its own
+# VM's split reservation and finishing its own migration's receiving movers
+# (both checked against the body).
 SCOPED_READS = tuple(
     re.compile(p)
     for p in (r"^/v1/health$", r"^/v1/facts$", r"^/v1/probe/[0-9]{1,3}$", r"^/v1/split/[^/]+$")
 )
 SCOPED_RELEASE = "/v1/split/cleanup"
+SCOPED_MOVER_FINISH = "/v1/mover/finish"
 MIN_KEY_BYTES = 16
 
 
@@ -157,7 +159,10 @@ class Verifier:
         if now > int(match.group("expires")):
             raise AuthError(reason=f"the credential for migration {match.group('id')} expired")
         read = method == "GET" and any(p.match(path) for p in SCOPED_READS)
-        if not read and not _releases_own_vm(method, path, body, match.group("vm")):
+        own = _releases_own_vm(method, path, body, match.group("vm")) or _finishes_own_movers(
+            method, path, body, match.group("id")
+        )
+        if not read and not own:
             raise AuthError(reason=f"a migration-scoped credential may not {method} {path}")
         return scoped_key(self.key, scope)
 
@@ -169,6 +174,26 @@ def _releases_own_vm(method: str, path: str, body: bytes, vm: str) -> bool:
         return json.loads(body) == {"vm": vm}
     except ValueError:
         return False
+
+
+def mover_id(migration_id: str) -> str:
+    """The movers' id of a migration (hex): a Nova migration's UUID without dashes.
+
+    >>> mover_id("5f0c2b1e-0000-4000-8000-00000000abcd")
+    '5f0c2b1e00004000800000000000abcd'
+    """
+    return migration_id.replace("-", "")
+
+
+def _finishes_own_movers(method: str, path: str, body: bytes, scope_id: str) -> bool:
+    if method != "POST" or path != SCOPED_MOVER_FINISH:
+        return False
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return False
+    own = {"migration_id": mover_id(scope_id)}
+    return request in (own, own | {"abort": True})
 
 
 def load_key(path: str) -> bytes:

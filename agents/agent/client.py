@@ -11,9 +11,24 @@ from typing import Any
 from agents.agent import auth, listener
 from flexmig import exceptions
 
+# The agent API's port, written once: the agent's, Nova's and the CLI's defaults.
+DEFAULT_PORT = 9797
 
-class AgentError(exceptions.FlexMigError):
+
+class AgentError(exceptions.BackendError):
     msg_fmt = "Agent %(agent)s: %(reason)s"
+
+
+def _error(agent: str, what: str, status: int, reply: dict[str, Any]) -> exceptions.FlexMigError:
+    """The exception an error reply stands for: the API's kinds map back to ours."""
+    text = f"Agent {agent}: {what}: {status} {reply.get('error')}"
+    if status == 409 and isinstance(reply.get("reasons"), list):
+        return exceptions.PolicyRefused(str(reply.get("vm")), [str(r) for r in reply["reasons"]])
+    if status == 404:
+        return exceptions.NotFound(text)
+    if status == 400:
+        return exceptions.InvalidInput(text)
+    return AgentError(agent=agent, reason=f"{what}: {status} {reply.get('error')}")
 
 
 class _UnixHTTPConnection(http.client.HTTPConnection):
@@ -90,9 +105,7 @@ class AgentClient:
         except ValueError:
             raise AgentError(agent=self.name, reason=f"{method} {path}: non-JSON reply") from None
         if resp.status >= 400:
-            raise AgentError(
-                agent=self.name, reason=f"{method} {path}: {resp.status} {result.get('error')}"
-            )
+            raise _error(self.name, f"{method} {path}", resp.status, result)
         return result
 
     def probe_bandwidth(self, mib: int) -> float:

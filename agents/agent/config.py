@@ -5,6 +5,9 @@ from __future__ import annotations
 from oslo_config import cfg
 from oslo_log import log
 
+from agents.agent.client import DEFAULT_PORT
+from flexmig.migration import options as migration_options
+
 agent_opts = [
     cfg.IPOpt(
         "listen_address",
@@ -12,7 +15,7 @@ agent_opts = [
         help="Address the control API listens on: the host's management address. "
         "The agent never listens on all addresses.",
     ),
-    cfg.PortOpt("port", default=9797, help="TCP port of the control API."),
+    cfg.PortOpt("port", default=DEFAULT_PORT, help="TCP port of the control API."),
     cfg.StrOpt(
         "unix_socket",
         help="Also serve the API on this UNIX socket (mode 0600), for tools on the "
@@ -112,75 +115,26 @@ agent_opts = [
         default="/run/flexmig",
         help="Where split reservations for the libvirt hook are kept.",
     ),
-    cfg.FloatOpt(
-        "stall_timeout",
-        default=15.0,
-        min=1.0,
-        max=600.0,
-        help="Seconds without migration progress before a precopy is aborted "
-        "(the VM keeps running on the source) or a postcopy paused for "
-        "recovery.",
-    ),
-    cfg.FloatOpt(
-        "recovery_timeout",
-        default=300.0,
-        min=5.0,
-        max=86400.0,
-        help="Seconds a broken postcopy keeps trying to resume.",
-    ),
-    cfg.IntOpt(
-        "initial_stream_bandwidth_mib",
-        default=256,
-        min=1,
-        max=1_000_000,
-        help="Migration stream bandwidth (MiB/s) assumed towards a destination "
-        "before any migration to it has been measured.",
-    ),
-    cfg.StrOpt(
-        "tcp_fabric_transport",
-        default="qemu-tcp",
-        choices=["qemu-tcp", "mover"],
-        help="Transport for migrations where the fabric has no RDMA provider: what "
-        "docs/benchmarks/mover.md measured faster on TCP. Where both ends have "
-        "verbs;ofi_rxm the mover is used.",
-    ),
-    cfg.IntOpt(
-        "max_downtime_ms",
-        default=300,
-        min=1,
-        max=60000,
-        help="Downtime budget the policy plans migrations for.",
-    ),
-    cfg.ListOpt(
-        "dirty_sample_seconds",
-        default=["1", "2", "3"],
-        help="Lengths (s) of the dirty-rate samples the model is fitted to; at "
-        "least two distinct values.",
-    ),
 ]
+
+
+def register_opts(conf: cfg.ConfigOpts) -> None:
+    """The agent's own options and the engine's (``[migration]``, with their old
+    ``[agent]`` names as deprecated aliases)."""
+    conf.register_opts(agent_opts, group="agent")
+    migration_options.register_opts(conf)
+
 
 # The agent's own object: processes that import agent code (the Nova driver,
 # tests) must not find required [agent] options on their global cfg.CONF.
 CONF = cfg.ConfigOpts()
-CONF.register_opts(agent_opts, group="agent")
+register_opts(CONF)
 log.register_options(CONF)
 
 
 def list_opts() -> list[tuple[str, list[cfg.Opt]]]:
     """For oslo-config-generator."""
-    return [("agent", agent_opts)]
-
-
-def sample_seconds(conf: cfg.ConfigOpts) -> tuple[int, ...]:
-    try:
-        values = tuple(int(v) for v in conf.agent.dirty_sample_seconds)
-    except ValueError:
-        values = ()
-    if len(set(values)) < 2 or any(not 1 <= v <= 30 for v in values):
-        raise cfg.ConfigFileValueError(
-            "[agent] dirty_sample_seconds needs at least two distinct values in 1..30"
-        )
-    return values
+    return [("agent", agent_opts), *migration_options.list_opts()]
 
 
 def check_tls(conf: cfg.ConfigOpts) -> None:

@@ -9,6 +9,7 @@ import time
 import libvirt
 
 from flexmig import hypervisor
+from flexmig.migration.facts import filesystem_of
 
 MIB = 2**20
 
@@ -65,6 +66,9 @@ def host_facts(
         "vm_ram_bytes": used,
         "free_for_vms_bytes": max(0, budget - used),
         "store_dir": store_dir,
+        # The store is qemu.conf's memory_backing_dir: where file-backed VMs'
+        # memory lives, so its filesystem says whether postcopy can serve it.
+        "store_fs_type": filesystem_of(store_dir),
         "store_capacity_bytes": st.f_blocks * st.f_frsize,
         "store_free_bytes": st.f_bavail * st.f_frsize,
         "store_write_bps": store_bps,

@@ -19,7 +19,8 @@ from typing import Any
 
 import libvirt
 
-from flexmig import exceptions, hypervisor, vm_facts
+from flexmig import exceptions, hypervisor
+from flexmig.migration import facts, planner
 from flexmig.policy import dirty_model
 
 # Samples older than this are not reused for a migration's decision: a guest's
@@ -43,11 +44,12 @@ class SampleCache:
         with self.lock:
             self.entries[vm] = (time.monotonic(), samples)
 
-    def take(self, vm: str) -> list[tuple[float, float]] | None:
+    def take(self, vm: str) -> tuple[tuple[float, float], ...] | None:
         """The VM's samples if fresh, once: a second migration samples anew."""
         with self.lock:
             at, samples = self.entries.pop(vm, (0.0, []))
-        return samples if samples and time.monotonic() - at <= SAMPLES_MAX_AGE_S else None
+        fresh = samples and time.monotonic() - at <= SAMPLES_MAX_AGE_S
+        return tuple(samples) if fresh else None
 
 
 def _one_vm(
@@ -55,19 +57,19 @@ def _one_vm(
     dom: libvirt.virDomain,
     host: str,
     seconds: tuple[int, ...],
-    ram_mapping: vm_facts.RamMappingReader,
+    ram_mapping: facts.RamMappingReader,
     cache: SampleCache,
 ) -> dict[str, Any]:
-    mem = vm_facts.memory_facts(dom, host, ram_mapping)
-    samples = vm_facts.sample_dirty_pages(conn, dom, host, seconds)
+    mem = facts.read_memory(dom, host, ram_mapping)
+    samples = list(facts.sample_dirty_pages(conn, dom, host, seconds))
     cache.put(dom.name(), samples)
-    model = dirty_model.fit(samples, max_pages=mem.ram_bytes / vm_facts.PAGE)
+    model = dirty_model.fit(samples, max_pages=mem.ram_bytes / facts.PAGE)
     return {
         "name": dom.name(),
         "ram_bytes": mem.ram_bytes,
         "resident_bytes": mem.resident_bytes,
         "file_backed": mem.file_backed,
-        "postcopy_blocker": mem.postcopy_blocker,
+        "postcopy_blocker": planner.postcopy_blocker(mem),
         "dirty": {"m_pages": model.m_pages, "tau_s": model.tau_s},
         "samples": samples,
     }
@@ -77,7 +79,7 @@ def running_vms(
     uri: str,
     host: str,
     seconds: tuple[int, ...],
-    ram_mapping: vm_facts.RamMappingReader,
+    ram_mapping: facts.RamMappingReader,
     cache: SampleCache,
     skip: Callable[[str], bool] = lambda name: False,
 ) -> list[dict[str, Any]]:

@@ -1,37 +1,37 @@
-"""Migrations run by the source host's agent: plan, prepare, execute, report.
+"""Migrations run by the source host's agent: an adapter over ``flexmig.migration``.
 
-The agent gathers the policy's inputs (the VM's memory facts and dirty-rate
-samples here, the destination's facts from its agent), lets
-``flexmig.policy`` decide, prepares the destination (split), runs the mode's
-job and keeps progress and events for whoever polls.  On any failure the
-destination is cleaned up and the VM is left running on the source.
+The agent reads the engine's facts (the VM's here, through its privileged
+reader of QEMU's map; the destination's from its agent; the link it probed
+and learned), lets the engine plan, prepares the destination (split, store
+writeback, movers), runs the engine's libvirt job and keeps progress and
+events for whoever polls.  On any failure the destination is cleaned up and
+the VM is left running on the source.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import threading
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from stevedore import driver
-
 from agents.agent import auth, inventory, movers, privileged
 from agents.agent.client import AgentClient
 from agents.agent.offload_hook import OffloadHook
-from flexmig import exceptions, hypervisor, vm_facts
-from flexmig.modes.base import MigrationMode
-from flexmig.modes.job import JobConfig, JobResult, MigrationJob
-from flexmig.policy import dirty_model
-from flexmig.policy.decision import Decision, MigrationInputs, decide
-from flexmig.policy.transport import TransportChoice, choose_transport
+from flexmig import exceptions, hypervisor
+from flexmig.migration import facts, planner
+from flexmig.migration.libvirt_job import JobConfig, JobResult, MigrationJob
+from flexmig.migration.options import EngineOptions
+from flexmig.migration.planner import Plan
+from flexmig.migration.request import MigrationRequest
 
+LOG = logging.getLogger("flexmig.agent.migrations")
 EWMA_WEIGHT = 0.5
 MAX_EVENTS = 200
-PROBE_MIB = 64
 PROBE_MAX_AGE_S = 600.0
 
 
@@ -67,28 +67,14 @@ class Destination:
     migration_uri: str
 
 
-def load_mode(name: str) -> MigrationMode:
-    try:
-        return driver.DriverManager("flexmig.modes", name, invoke_on_load=True).driver
-    except Exception as exc:
-        raise exceptions.InvalidInput(what="migration mode", reason=f"{name}: {exc}") from exc
-
-
 @dataclasses.dataclass
 class MigrationRecord:
     id: str
-    vm: str
+    request: MigrationRequest
     dest: str
-    requested_mode: str
-    bandwidth_mib: int = 0
-    downtime_budget_ms: int = 0
-    requested_transport: str = "auto"
-    store_writeback: bool = True
     writeback_rounds: int | None = None
-    parallel: int = 1  # libvirt parallel connections (QEMU multifd channels); 1: none
-    transport: TransportChoice | None = None
     state: str = "planning"
-    decision: Decision | None = None
+    plan: Plan | None = None
     progress: dict[str, int] = dataclasses.field(default_factory=dict)
     phase: str = "planning"
     events: list[tuple[float, str]] = dataclasses.field(default_factory=list)
@@ -96,21 +82,27 @@ class MigrationRecord:
     error: str | None = None
     started: float = dataclasses.field(default_factory=time.time)
 
+    @property
+    def vm(self) -> str:
+        return self.request.vm
+
     def event(self, text: str) -> None:
         self.events.append((time.time(), text))
         del self.events[:-MAX_EVENTS]
 
     def as_dict(self) -> dict[str, Any]:
+        plan = self.plan
         return {
             "id": self.id,
             "vm": self.vm,
             "dest": self.dest,
             "state": self.state,
             "phase": self.phase,
-            "requested_mode": self.requested_mode,
-            "mode": self.decision.mode if self.decision else None,
-            "transport": dataclasses.asdict(self.transport) if self.transport else None,
-            "explanation": self.decision.explain() if self.decision else None,
+            "requested_mode": self.request.mode,
+            "mode": plan.mode if plan else None,
+            "transport": dataclasses.asdict(plan.transport) if plan else None,
+            "parallel": plan.parallel if plan else None,
+            "explanation": plan.explain() if plan else None,
             "progress": self.progress,
             "events": self.events,
             "summary": self.summary,
@@ -120,20 +112,19 @@ class MigrationRecord:
 
 class MigrationService:
     def __init__(
-        self,
-        host: str,
-        conf: Any,
-        sample_seconds: tuple[int, ...],
-        offload: OffloadHook | None = None,
+        self, host: str, conf: Any, options: EngineOptions, offload: OffloadHook | None = None
     ) -> None:
         self.host = host
         self.offload = offload
         self.conf = conf
-        self.sample_seconds = sample_seconds
+        self.options = options
         self.records: dict[str, MigrationRecord] = {}
         self.links_file = Path(conf.agent.state_dir) / "links.json"
         self.links = self._load_links()
         self.lock = threading.Lock()
+        # Reads QEMU's map of guest RAM; the privileged daemon's by default.
+        self.ram_mapping: facts.RamMappingReader = privileged.qemu_ram_mapping
+        self.rdma = movers.rdma_provider_present()
         # Samples a drain's inventory just took: its migrations decide on them.
         self.samples = inventory.SampleCache()
 
@@ -152,126 +143,91 @@ class MigrationService:
         tmp.replace(self.links_file)
 
     # -- planning -------------------------------------------------------------
-    def plan(
-        self,
-        vm: str,
-        dest: Destination,
-        mode: str = "auto",
-        max_downtime_ms: int | None = None,
-        bandwidth_mib: int = 0,
-    ) -> Decision:
+    def plan(self, request: MigrationRequest, dest: Destination) -> Plan:
         with hypervisor.connect(self.conf.agent.libvirt_uri, self.host) as conn:
-            dom = hypervisor.find_domain(conn, vm)
-            if dom is None or not dom.isActive():
-                raise exceptions.InvalidInput(what="VM", reason=f"{vm!r} is not running here")
-            mem = vm_facts.memory_facts(dom, self.host, privileged.qemu_ram_mapping)
-            samples = self.samples.take(vm) or vm_facts.sample_dirty_pages(
-                conn, dom, self.host, self.sample_seconds
+            with hypervisor.wrap_errors(self.host, f"find {request.vm}"):
+                dom = hypervisor.find_domain(conn, request.vm)
+            if dom is None:
+                raise exceptions.InvalidInput(what="VM", reason=f"{request.vm!r} is not here")
+            vm = facts.read_vm(
+                conn,
+                dom,
+                self.host,
+                self.options.dirty_sample_seconds,
+                self.ram_mapping,
+                samples=self.samples.take(request.vm),
             )
-        facts = dest.agent.get("/v1/facts")
         link = self.link(dest)
-        initial = self.conf.agent.initial_stream_bandwidth_mib * 2**20
-        bandwidth = link.stream_bps or min(initial, link.fabric_bps)
-        if bandwidth_mib:
-            bandwidth = min(bandwidth, bandwidth_mib * 2**20)
-        inputs = MigrationInputs(
-            vm=vm,
-            ram_bytes=mem.ram_bytes,
-            resident_bytes=mem.resident_bytes,
-            dirty=dirty_model.fit(samples, max_pages=mem.ram_bytes / vm_facts.PAGE),
-            bandwidth_bps=bandwidth,
-            dest_free_bytes=int(facts["free_for_vms_bytes"]),
-            dest_store_free_bytes=int(facts["store_free_bytes"]),
-            file_backed=mem.file_backed,
-            max_downtime_ms=max_downtime_ms or self.conf.agent.max_downtime_ms,
-            postcopy_blocker=mem.postcopy_blocker,
-            setup_s=link.setup_s,
-            switchover_s=link.switchover_s,
-            dest_store_write_bps=float(facts.get("store_write_bps") or 0.0),
-            dest_memory_cgroup=str((facts.get("memory_cgroup") or {}).get("detail") or ""),
+        dest_facts = dest.agent.get("/v1/facts")
+        return planner.plan(
+            request,
+            vm,
+            planner.DestinationFacts.from_agent(dest_facts),
+            planner.LinkFacts(
+                fabric_bps=link.fabric_bps,
+                stream_bps=link.stream_bps,
+                setup_s=link.setup_s,
+                switchover_s=link.switchover_s,
+            ),
+            self.options,
+            rdma_both_ends=self.rdma and dest_facts.get("rdma_provider") is True,
         )
-        return decide(inputs, mode)
 
     def link(self, dest: Destination) -> LinkEstimate:
         """This host's estimate for ``dest``, with a fabric probe no older than 10 min."""
         link = self.links.setdefault(dest.agent.address, LinkEstimate())
         if time.time() - link.fabric_measured_at > PROBE_MAX_AGE_S:
-            link.fabric_bps = dest.agent.probe_bandwidth(PROBE_MIB)
+            link.fabric_bps = dest.agent.probe_bandwidth(max(1, self.options.bandwidth_probe_mib))
             link.fabric_measured_at = time.time()
             self._save_links()
         return link
 
     # -- execution ------------------------------------------------------------
-    def start(
-        self,
-        vm: str,
-        dest: Destination,
-        mode: str = "auto",
-        max_downtime_ms: int | None = None,
-        bandwidth_mib: int = 0,
-        transport: str = "auto",
-        store_writeback: bool = True,
-        parallel: int = 1,
-    ) -> MigrationRecord:
-        record = MigrationRecord(
-            id=uuid.uuid4().hex[:12],
-            vm=vm,
-            dest=dest.agent.address,
-            requested_mode=mode,
-            bandwidth_mib=bandwidth_mib,
-            requested_transport=transport,
-            store_writeback=store_writeback,
-            parallel=parallel,
-        )
+    def start(self, request: MigrationRequest, dest: Destination) -> MigrationRecord:
+        record = MigrationRecord(id=uuid.uuid4().hex[:12], request=request, dest=dest.agent.address)
         with self.lock:
             if any(
-                r.vm == vm and r.state in ("planning", "running") for r in self.records.values()
+                r.vm == request.vm and r.state in ("planning", "running")
+                for r in self.records.values()
             ):
-                raise exceptions.InvalidInput(what="VM", reason=f"{vm} is already migrating")
+                raise exceptions.InvalidInput(
+                    what="VM", reason=f"{request.vm} is already migrating"
+                )
             self.records[record.id] = record
         threading.Thread(
-            target=self._run,
-            args=(record, dest, max_downtime_ms),
-            name=f"migration-{record.id}",
-            daemon=True,
+            target=self._run, args=(record, dest), name=f"migration-{record.id}", daemon=True
         ).start()
         return record
 
-    def _run(self, record: MigrationRecord, dest: Destination, max_downtime_ms: int | None) -> None:
+    def _run(self, record: MigrationRecord, dest: Destination) -> None:
         try:
             record.event("sampling the dirty rate and asking the destination for its facts")
-            record.decision = self.plan(
-                record.vm, dest, record.requested_mode, max_downtime_ms, record.bandwidth_mib
-            )
-            record.downtime_budget_ms = max_downtime_ms or self.conf.agent.max_downtime_ms
-            record.event(f"decided: {record.decision.mode}")
+            record.plan = self.plan(record.request, dest)
+            record.event(f"decided: {record.plan.mode}")
             record.state = "running"
-            self._execute(record, dest)
+            self._execute(record, record.plan, dest)
         except exceptions.FlexMigError as exc:
             record.state, record.error = "failed", str(exc)
             record.event(f"failed: {exc}")
-        except Exception as exc:  # noqa: BLE001 - a thread must report, never vanish
-            record.state, record.error = "failed", f"internal error: {exc!r}"
+        except Exception as exc:
+            error = exceptions.InternalError(action=f"migrating {record.vm}", error=repr(exc))
+            LOG.exception("%s", error)
+            record.state, record.error = "failed", str(error)
             record.event(record.error)
 
-    def _execute(self, record: MigrationRecord, dest: Destination) -> None:
-        decision = record.decision
-        assert decision is not None
-        writeback = self._prepare_destination(record, dest)
-        record.transport = choose_transport(
-            record.requested_transport,
-            movers.rdma_provider_present(),
-            self.conf.agent.tcp_fabric_transport,
-        )
-        record.event(f"transport: {record.transport.transport} ({record.transport.reason})")
+    def _execute(self, record: MigrationRecord, plan: Plan, dest: Destination) -> None:
+        writeback = self._prepare_destination(record, plan, dest)
+        record.event(f"transport: {plan.transport.transport} ({plan.transport.reason})")
+        for note in plan.notes:
+            record.event(note)
         sender = None
         migration_uri = dest.migration_uri
-        if record.transport.transport == "mover":
-            sender = self._start_movers(record, dest)
+        if plan.transport.transport == "mover":
+            sender = self._start_movers(record, plan, dest)
             migration_uri = "unix://" + movers.socket_path(self.conf.agent.state_dir, record.id)
         flows_moving = self._offload_depart(record, dest)
         try:
-            result = self._run_job(record, dest, migration_uri)
+            result = self._run_job(record, plan, dest, migration_uri)
         except Exception as exc:
             if flows_moving:
                 self.offload.restore(record.id, str(exc), dest.agent, record.event)
@@ -282,18 +238,18 @@ class MigrationService:
         if writeback:
             record.writeback_rounds = self._end_writeback(record, dest)
         if result.state != "completed":
-            if decision.mode == "split" and not result.switched_to_postcopy:
+            if plan.mode == "split" and not result.switched_to_postcopy:
                 _quietly(lambda: dest.agent.post("/v1/split/cleanup", {"vm": record.vm}))
             record.state, record.error = "failed", result.error
             record.event(f"failed: {result.error}; the VM runs on {self.host}")
             return
         offload = self.offload.finish(record.id, dest.agent, record.event) if flows_moving else None
-        record.summary = self._summary(record, dest, result) | {
+        record.summary = self._summary(record, plan, dest, result) | {
             "offload": offload,
-            "transport": record.transport.transport,
-            "parallel": record.parallel,
+            "transport": plan.transport.transport,
+            "parallel": plan.parallel,
             "movers": mover_stats,
-            "store_writeback": record.store_writeback,
+            "store_writeback": record.request.store_writeback,
             "store_writeback_rounds": record.writeback_rounds,
         }
         record.state = "completed"
@@ -311,10 +267,9 @@ class MigrationService:
             record.event(f"offload: flows not moved with the VM: {exc}")
             return False
 
-    def _prepare_destination(self, record: MigrationRecord, dest: Destination) -> bool:
+    def _prepare_destination(self, record: MigrationRecord, plan: Plan, dest: Destination) -> bool:
         """Reserve a split VM's budget or start the store writeback; True for the latter."""
-        decision = record.decision
-        assert decision is not None
+        decision = plan.decision
         if decision.mode == "split":
             # A split VM's flusher is set up with its reservation and stays with the VM.
             dest.agent.post(
@@ -331,23 +286,21 @@ class MigrationService:
                 "resident budget"
             )
             return False
-        if record.store_writeback:
+        if record.request.store_writeback:
             self._request_writeback(record, dest)
-        return record.store_writeback
+        return record.request.store_writeback
 
-    def _run_job(self, record: MigrationRecord, dest: Destination, migration_uri: str) -> JobResult:
+    def _run_job(
+        self, record: MigrationRecord, plan: Plan, dest: Destination, migration_uri: str
+    ) -> JobResult:
         """Drive libvirt's migration to its end; the job reports progress into the record."""
-        decision = record.decision
-        assert decision is not None
         config = JobConfig(
             dest_libvirt_uri=dest.libvirt_uri,
             source_libvirt_uri=self.conf.agent.libvirt_uri,
             migration_uri=migration_uri,
-            bandwidth_mib=record.bandwidth_mib,
-            stall_timeout_s=self.conf.agent.stall_timeout,
-            recovery_timeout_s=self.conf.agent.recovery_timeout,
-            downtime_budget_ms=record.downtime_budget_ms,
-            parallel=record.parallel,
+            stall_timeout_s=self.options.stall_timeout_s,
+            setup_timeout_s=self.options.setup_timeout_s,
+            recovery_timeout_s=self.options.recovery_timeout_s,
         )
 
         def progress(phase: str, stats: dict[str, int]) -> None:
@@ -361,15 +314,10 @@ class MigrationService:
                 return False
 
         with hypervisor.connect(self.conf.agent.libvirt_uri, self.host) as conn:
+            with hypervisor.wrap_errors(self.host, f"find {record.vm}"):
+                dom = conn.lookupByName(record.vm)
             job = MigrationJob(
-                conn.lookupByName(record.vm),
-                self.host,
-                decision,
-                load_mode(decision.mode),
-                config,
-                on_progress=progress,
-                on_event=record.event,
-                peer_alive=dest_alive,
+                dom, self.host, plan, config, progress, record.event, peer_alive=dest_alive
             )
             return job.run()
 
@@ -388,13 +336,15 @@ class MigrationService:
         except (exceptions.FlexMigError, KeyError, TypeError, ValueError):
             return None
 
-    def _start_movers(self, record: MigrationRecord, dest: Destination) -> movers.MoverSet:
+    def _start_movers(
+        self, record: MigrationRecord, plan: Plan, dest: Destination
+    ) -> movers.MoverSet:
         # Scoped to this migration and never sent: the destination derives the
         # same token from the salt and the key this request is signed with.
         salt = movers.new_token_salt()
         token = auth.mover_token(dest.agent.key, record.id, salt)
         # QEMU's multifd opens the main connection and one per channel.
-        streams = record.parallel + 1 if record.parallel > 1 else 1
+        streams = plan.parallel + 1 if plan.parallel > 1 else 1
         ports = dest.agent.post(
             "/v1/mover/receive",
             {"migration_id": record.id, "token_salt": salt, "streams": streams},
@@ -440,7 +390,9 @@ class MigrationService:
         )["stats"]
         return stats
 
-    def _summary(self, record: MigrationRecord, dest: Destination, result: Any) -> dict[str, Any]:
+    def _summary(
+        self, record: MigrationRecord, plan: Plan, dest: Destination, result: Any
+    ) -> dict[str, Any]:
         stats = dict(result.last_stats)
         with hypervisor.connect(dest.libvirt_uri, dest.agent.address) as conn:
             with hypervisor.wrap_errors(dest.agent.address, "read completed job statistics"):
@@ -450,13 +402,13 @@ class MigrationService:
         stats.update({k: v for k, v in done.items() if isinstance(v, int)})
         elapsed_ms = stats.get("time_elapsed", int(result.elapsed_s * 1000))
         moved = stats.get("memory_processed", 0)
-        if not result.switched_to_postcopy and not record.bandwidth_mib:
+        if not result.switched_to_postcopy and not record.request.bandwidth_mib:
             self.link(dest).learn(stats)
             self._save_links()
-        pred = record.decision.prediction if record.decision else None
+        pred = plan.decision.prediction
         return {
-            "mode": record.decision.mode if record.decision else None,
-            "transfer": record.decision.transfer if record.decision else None,
+            "mode": plan.mode,
+            "transfer": plan.decision.transfer,
             "total_time_ms": elapsed_ms,
             "downtime_ms": stats.get("downtime"),
             # libvirt's memory_iteration counts dirty-bitmap syncs, one of which
@@ -465,9 +417,9 @@ class MigrationService:
             "rounds": max(0, stats.get("memory_iteration", 1) - 1),
             "switched_to_postcopy": result.switched_to_postcopy,
             "recovered": result.recovered,
-            "predicted_total_ms": round(pred.total_time_s * 1000) if pred else None,
-            "predicted_downtime_ms": round(pred.downtime_s * 1000) if pred else None,
-            "predicted_rounds": len(pred.rounds) if pred else None,
+            "predicted_total_ms": round(pred.total_time_s * 1000),
+            "predicted_downtime_ms": round(pred.downtime_s * 1000),
+            "predicted_rounds": len(pred.rounds),
             "libvirt_stats": stats,
         }
 
@@ -475,9 +427,7 @@ class MigrationService:
         try:
             return self.records[migration_id]
         except KeyError:
-            raise exceptions.InvalidInput(
-                what="migration", reason=f"no migration {migration_id!r}"
-            ) from None
+            raise exceptions.NotFound(what="migration", name=migration_id) from None
 
 
 def _quietly(fn: Any) -> None:

@@ -115,8 +115,9 @@ class MoverProcess:
         self.token_file.unlink(missing_ok=True)
         self.ready_file.unlink(missing_ok=True)
         if rc != 0:
-            raise exceptions.FlexMigError(
-                f"mover exited with {rc}: {self.log_file.read_text(errors='replace')[-300:]}"
+            raise exceptions.BackendError(
+                backend="mover",
+                reason=f"exited with {rc}: {self.log_file.read_text(errors='replace')[-300:]}",
             )
         return json.loads(self.stats_file.read_text())
 
@@ -177,7 +178,9 @@ def wait_ready(senders: list[MoverProcess], timeout: float = READY_TIMEOUT_S) ->
         while not mover.ready_file.exists():
             if mover.proc.poll() is not None or time.monotonic() > deadline:
                 log = mover.log_file.read_text(errors="replace")[-300:]
-                raise exceptions.FlexMigError(f"source mover did not get ready: {log}")
+                raise exceptions.BackendError(
+                    backend="source mover", reason=f"did not get ready: {log}"
+                )
             time.sleep(0.01)
 
 
@@ -257,7 +260,9 @@ def start_senders(
         wait_ready(members)
     except OSError as exc:
         MoverSet(members).kill()
-        raise exceptions.FlexMigError(f"source movers: socket {path}: {exc}") from exc
+        raise exceptions.BackendError(
+            backend="source movers", reason=f"socket {path}: {exc}"
+        ) from exc
     except exceptions.FlexMigError:
         MoverSet(members).kill()
         raise

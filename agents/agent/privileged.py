@@ -20,7 +20,7 @@ from oslo_privsep import priv_context
 
 from agents.agent import memcg
 from flexmig import exceptions
-from flexmig.vm_facts import guest_ram_mapping
+from flexmig.migration.facts import guest_ram_mapping
 
 LIBVIRT_PID_DIR = Path("/run/libvirt/qemu")
 MAX_RAM_BYTES = 1 << 42

@@ -10,6 +10,7 @@ import ssl
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from oslo_config import cfg
@@ -31,11 +32,13 @@ from agents.agent.client import AgentClient
 from agents.agent.migrations import Destination, MigrationService
 from agents.agent.split_store import ChunkFlusher, ResidencyKeeper, SplitStore
 from flexmig import exceptions
-from flexmig.policy.transport import TRANSPORTS
+from flexmig.migration import options as migration_options
+from flexmig.migration.request import MigrationRequest
 
 LOG = logging.getLogger("flexmig.agent")
 DEST_FIELDS = {"address": str, "port": int, "libvirt_uri": str, "migration_uri": str}
 MIGRATE_FIELDS = {"vm": str, "dest": dict}
+# Everything else a migrate/plan body holds is the engine's request (MigrationRequest).
 MIGRATE_OPTIONAL = {
     "mode": str,
     "max_downtime_ms": int,
@@ -46,7 +49,6 @@ MIGRATE_OPTIONAL = {
 }
 MAX_PROBE_MIB = 256
 MAX_INVENTORY_PEERS = 64
-MAX_PARALLEL = 8  # libvirt's parallel connections (QEMU multifd channels)
 # An incoming migration's writeback ends when the source says so; this bounds
 # it should the source never say (its agent died).
 INCOMING_WRITEBACK_MAX_S = 3600.0
@@ -65,7 +67,7 @@ class Agent:
             conf.agent.offload_control_socket, self.key, self.host, conf.agent.libvirt_uri
         )
         self.migrations = MigrationService(
-            self.host, conf, config.sample_seconds(conf), self.offload
+            self.host, conf, migration_options.read(conf), self.offload
         )
         self.flush_stops: dict[str, threading.Event] = {}
         self.flushers: dict[str, ChunkFlusher] = {}
@@ -82,7 +84,14 @@ class Agent:
         r.add("POST", "/v1/incoming/writeback", self.incoming_writeback)
         # Read-only: Nova's drain (nova_driver.drain) asks it too.
         r.add("POST", "/v1/inventory", self.inventory)
+        # Movers: the agents' own migrations and Nova's driver (which drives
+        # libvirt itself and asks both agents for movers by migration id) use
+        # them, so they stay open when orchestration is off.
+        r.add("POST", "/v1/mover/receive", self.mover_receive)
+        r.add("POST", "/v1/mover/send", self.mover_send)
+        r.add("POST", "/v1/mover/finish", self.mover_finish)
         self.receivers: dict[str, movers.MoverSet] = {}
+        self.senders: dict[str, movers.MoverSet] = {}
         # A migrating VM's offloaded flows: the destination's side (from the peer
         # agent) and the source's (from this host's Nova driver).
         r.add("POST", "/v1/offload/arrive", self.offload_arrive)
@@ -94,8 +103,6 @@ class Agent:
         # Routes that plan or move VMs on the agents' own initiative.
         orchestrate = self._orchestration
         r.add("POST", "/v1/plan", orchestrate(self.plan))
-        r.add("POST", "/v1/mover/receive", orchestrate(self.mover_receive))
-        r.add("POST", "/v1/mover/finish", orchestrate(self.mover_finish))
         r.add("POST", "/v1/migrations", orchestrate(self.migrate))
         r.add("GET", r"/v1/migrations/(?P<id>[0-9a-f]+)", orchestrate(self.migration_status))
         r.add("GET", "/v1/migrations", orchestrate(self.list_migrations))
@@ -132,7 +139,7 @@ class Agent:
             self._memory_cgroup(),
             {peer: dataclasses.asdict(link) for peer, link in self.migrations.links.items()},
             self._store_write_bps(),
-        )
+        ) | {"rdma_provider": self.migrations.rdma}
 
     def _store_write_bps(self) -> float:
         """The store's write bandwidth, probed at most every STORE_PROBE_MAX_AGE_S."""
@@ -170,11 +177,12 @@ class Agent:
         busy = {
             r.vm for r in self.migrations.records.values() if r.state in ("planning", "running")
         }
+        options = self.migrations.options
         vms = inventory.running_vms(
             self.conf.agent.libvirt_uri,
             self.host,
-            config.sample_seconds(self.conf),
-            privileged.qemu_ram_mapping,
+            options.dirty_sample_seconds,
+            self.migrations.ram_mapping,
             self.migrations.samples,
             skip=busy.__contains__,
         )
@@ -182,8 +190,8 @@ class Agent:
             "host": self.host,
             "vms": vms,
             "links": links,
-            "initial_stream_bps": self.conf.agent.initial_stream_bandwidth_mib * 2**20,
-            "max_downtime_ms": self.conf.agent.max_downtime_ms,
+            "initial_stream_bps": options.stream_bandwidth_mib * 2**20,
+            "max_downtime_ms": options.max_downtime_ms,
         }
 
     def probe(self, body: dict[str, Any], m: re.Match[str]) -> tuple[int, bytes]:
@@ -272,13 +280,39 @@ class Agent:
             self.conf.agent.state_dir, self.conf.agent.listen_address, mid, token, streams
         )
         self.receivers[mid] = receivers
-        return 200, {"port": ports[0], "ports": ports}
+        # address: where the receivers listen, for a sender that knows this
+        # agent by another name (the Nova driver may reach it on a UNIX socket).
+        return 200, {"port": ports[0], "ports": ports, "address": self.conf.agent.listen_address}
+
+    def mover_send(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        """Sending movers towards a destination's receivers; QEMU is pointed at the
+        returned URI by whoever drives libvirt (the Nova driver)."""
+        api.check_fields(body, {"migration_id": str, "token_salt": str, "peer": str, "ports": list})
+        mid, salt, ports = body["migration_id"], body["token_salt"], body["ports"]
+        if not re.fullmatch(r"[0-9a-f]{6,32}", mid) or not re.fullmatch(r"[0-9a-f]{32,64}", salt):
+            raise api.BadRequest(reason="migration_id must be hex, token_salt 32..64 hex digits")
+        if not ports or not all(isinstance(p, int) and p in movers.PORT_RANGE for p in ports):
+            raise api.BadRequest(reason=f"ports must be in {movers.PORT_RANGE}")
+        if mid in self.senders:
+            raise api.BadRequest(reason=f"movers for {mid} are already sending")
+        self.senders[mid] = movers.start_senders(
+            self.conf.agent.state_dir,
+            self.conf.agent.listen_address,
+            body["peer"],
+            ports,
+            mid,
+            # The same token the destination derived for its receivers.
+            auth.mover_token(self.key, mid, salt),
+        )
+        return 200, {"uri": "unix://" + movers.socket_path(self.conf.agent.state_dir, mid)}
 
     def mover_finish(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         api.check_fields(body, {"migration_id": str}, {"abort": bool})
-        mover = self.receivers.pop(body["migration_id"], None)
+        mid = body["migration_id"]
+        mover = self.receivers.pop(mid, None) or self.senders.pop(mid, None)
         if mover is None:
-            raise api.BadRequest(reason=f"no receiving mover for {body['migration_id']!r}")
+            raise exceptions.NotFound(what="mover of migration", name=mid)
+        Path(movers.socket_path(self.conf.agent.state_dir, mid)).unlink(missing_ok=True)
         if body.get("abort"):
             mover.kill()
             return 200, {"aborted": True}
@@ -355,16 +389,14 @@ class Agent:
             agent=client, libvirt_uri=body["libvirt_uri"], migration_uri=body["migration_uri"]
         )
 
-    def plan(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+    def _request(self, body: dict[str, Any]) -> tuple[MigrationRequest, Destination]:
         api.check_fields(body, MIGRATE_FIELDS, MIGRATE_OPTIONAL)
-        dest = self._destination(body["dest"])
-        decision = self.migrations.plan(
-            body["vm"],
-            dest,
-            body.get("mode", "auto"),
-            body.get("max_downtime_ms"),
-            body.get("bandwidth_mib", 0),
-        )
+        request = MigrationRequest.from_body({k: v for k, v in body.items() if k != "dest"})
+        return request, self._destination(body["dest"])
+
+    def plan(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        request, dest = self._request(body)
+        plan = self.migrations.plan(request, dest)
         link = self.migrations.link(dest)
         learned = (
             f"learned from earlier migrations: stream {link.stream_bps / 2**20:.0f} "
@@ -373,45 +405,24 @@ class Agent:
             else "no migration to this destination measured yet"
         )
         try:
-            flows = self.offload.explain(body["vm"])
+            flows = self.offload.explain(request.vm)
         except exceptions.FlexMigError as exc:
             flows = f"offloaded flows: unknown ({exc})"
         text = (
-            f"{decision.explain()}\n  fabric to {dest.agent.address}: probed "
+            f"{plan.explain()}\n  fabric to {dest.agent.address}: probed "
             f"{link.fabric_bps / 2**20:.0f} MiB/s; {learned}\n  {flows}"
         )
-        return 200, {"mode": decision.mode, "transfer": decision.transfer, "explanation": text}
+        return 200, {
+            "mode": plan.mode,
+            "transfer": plan.decision.transfer,
+            "transport": plan.transport.transport,
+            "parallel": plan.parallel,
+            "explanation": text,
+        }
 
     def migrate(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
-        api.check_fields(body, MIGRATE_FIELDS, MIGRATE_OPTIONAL)
-        mode = body.get("mode", "auto")
-        if mode not in ("auto", "precopy", "postcopy", "split"):
-            raise api.BadRequest(reason=f"unknown mode {mode!r}")
-        bandwidth = body.get("bandwidth_mib", 0)
-        if not 0 <= bandwidth <= 1_000_000:
-            raise api.BadRequest(reason=f"bandwidth_mib {bandwidth} not in 0..1000000")
-        transport = body.get("transport", "auto")
-        if transport not in TRANSPORTS:
-            raise api.BadRequest(reason=f"unknown transport {transport!r}")
-        parallel = body.get("parallel", 1)
-        if not 1 <= parallel <= MAX_PARALLEL:
-            raise api.BadRequest(reason=f"parallel {parallel} not in 1..{MAX_PARALLEL}")
-        if parallel > 1 and mode != "precopy":
-            # QEMU 10.0 tells its main connection from a multifd channel by
-            # peeking at the first bytes only without postcopy-ram; with it, the
-            # first connection to arrive is taken as the main one, an order
-            # that independent mover pairs cannot promise.
-            raise api.BadRequest(reason="parallel connections need mode 'precopy'")
-        record = self.migrations.start(
-            body["vm"],
-            self._destination(body["dest"]),
-            mode,
-            body.get("max_downtime_ms"),
-            bandwidth,
-            transport,
-            body.get("store_writeback", True),
-            parallel,
-        )
+        request, dest = self._request(body)
+        record = self.migrations.start(request, dest)
         return 202, {"id": record.id}
 
     def migration_status(

@@ -19,7 +19,9 @@ from flexmig import exceptions
 from flexmig.policy import precopy, split
 from flexmig.policy.dirty_model import DirtyModel
 
-MODES = ("auto", "precopy", "postcopy", "split")
+# The modes, written once: options, the agent API and the CLI take them from here.
+MODES = ("precopy", "postcopy", "split")
+REQUESTABLE_MODES = ("auto", *MODES)
 MIB = 2**20
 # QEMU's own memory besides guest RAM (device state, TCG buffers, libs);
 # it must stay resident on the destination whatever the mode.
@@ -95,8 +97,8 @@ class Decision:
 
 def _validate(inp: MigrationInputs, requested: str) -> None:
     problems = []
-    if requested not in MODES:
-        problems.append(f"mode {requested!r} is not one of {', '.join(MODES)}")
+    if requested not in REQUESTABLE_MODES:
+        problems.append(f"mode {requested!r} is not one of {', '.join(REQUESTABLE_MODES)}")
     if inp.ram_bytes <= 0 or inp.resident_bytes < 0 or inp.resident_bytes > inp.ram_bytes:
         problems.append("RAM must be > 0 and resident bytes within it")
     if inp.bandwidth_bps <= 0:
@@ -198,18 +200,16 @@ def _choose(
     if requested != "auto":
         blocked = alternatives[requested]
         if blocked.startswith("unavailable"):
-            raise exceptions.InvalidInput(
-                what="mode", reason=f"{requested} for {inp.vm} is {blocked}"
-            )
+            raise exceptions.PolicyRefused(inp.vm, [f"{requested} is {blocked}"])
         return requested
     if not fits:
         if split_blocker:
-            raise exceptions.InvalidInput(
-                what="destination",
-                reason=(
-                    f"{inp.vm} cannot move there: precopy and postcopy are "
-                    f"{alternatives['precopy']}; split is {split_blocker}"
-                ),
+            raise exceptions.PolicyRefused(
+                inp.vm,
+                [
+                    f"precopy and postcopy are {alternatives['precopy']}",
+                    f"split is {split_blocker}",
+                ],
             )
         return "split"
     if pre.converged or inp.postcopy_blocker is not None:

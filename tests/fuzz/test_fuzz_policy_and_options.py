@@ -15,6 +15,7 @@ from oslo_config import cfg
 
 from agents.agent import config as agent_config
 from flexmig import exceptions
+from flexmig.migration import options as migration_options
 from nova_driver import conf as nova_conf
 from ovs_ext import config as offload_config
 from ovs_ext import policy, service
@@ -90,12 +91,16 @@ def group_options(group):
         return agent_config.agent_opts
     if group == "offload":
         return offload_config.offload_opts
+    if group == "migration":
+        return migration_options.migration_opts
     return nova_conf.flexmig_opts
 
 
 def load(group, text):
     conf = cfg.ConfigOpts()
     conf.register_opts(group_options(group), group=group)
+    if group not in ("migration", "offload"):
+        migration_options.register_opts(conf)  # the engine's, read by both services
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "flexmig.conf"
         path.write_text(text)
@@ -105,10 +110,12 @@ def load(group, text):
                 offload_config.validate(conf)
             elif group == "flexmig":
                 nova_conf.validate(conf)
+            elif group == "migration":
+                migration_options.read(conf)
             else:
                 for opt in agent_config.agent_opts:
                     getattr(conf.agent, opt.dest)
-                agent_config.sample_seconds(conf)
+                migration_options.read(conf)
         finally:
             conf.reset()
     return conf
@@ -116,7 +123,7 @@ def load(group, text):
 
 @st.composite
 def option_files(draw):
-    group = draw(st.sampled_from(["flexmig", "agent", "offload"]))
+    group = draw(st.sampled_from(["flexmig", "agent", "offload", "migration"]))
     names = [opt.dest for opt in group_options(group)]
     chosen = draw(st.dictionaries(st.sampled_from(names), OPTION_VALUES, max_size=4))
     body = "".join(f"{name} = {value}\n" for name, value in chosen.items())

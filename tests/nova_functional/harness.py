@@ -95,7 +95,7 @@ class InProcessAgent(fixtures.Fixture):
         with open(conf_file, "w", encoding="ascii") as f:
             f.write("[agent]\n" + "".join(f"{k} = {v}\n" for k, v in settings.items()))
         conf = cfg.ConfigOpts()
-        conf.register_opts(agent_config.agent_opts, group="agent")
+        agent_config.register_opts(conf)
         conf(["--config-file", conf_file], project="flexmig-test", default_config_files=[])
         self.agent = Agent(conf)
         server = api.make_servers(

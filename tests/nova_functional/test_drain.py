@@ -64,13 +64,14 @@ class TestNovaDrain(
             self.agents[host] = self.useFixture(harness.InProcessAgent(DEST_BUDGET_MB))
         self.guests = self.useFixture(harness.GuestWorkloads(self._connection_for, by_uri=True))
         self.flags(
-            agent_address="127.0.0.1",
-            agent_key_file=self.agents["src"].key_file,
+            agent_address="127.0.0.1", agent_key_file=self.agents["src"].key_file, group="flexmig"
+        )
+        self.flags(
             dirty_sample_seconds=[1, 2],
             bandwidth_probe_mib=8,
             stream_bandwidth_mib=64,
             max_downtime_ms=300,
-            group="flexmig",
+            group="migration",
         )
         self.flags(max_concurrent_live_migrations=NOVA_LIMIT)
         for host in ("src", "dest1", "dest2"):

@@ -106,9 +106,8 @@ class TestNovaMovesRealGuest(
         self.flags(instances_path=self.useFixture(fixtures.TempDir()).path)
         self.flags(virt_type="qemu", file_backed_memory=16384, group="libvirt")
         self.flags(ram_allocation_ratio=1.0, reserved_host_memory_mb=0)
-        self.flags(
-            agent_key_file=str(self.lab.key_file), dirty_sample_seconds=[1, 2], group="flexmig"
-        )
+        self.flags(agent_key_file=str(self.lab.key_file), group="flexmig")
+        self.flags(dirty_sample_seconds=[1, 2], group="migration")
         self.useFixture(
             fixtures.MonkeyPatch(
                 "nova.virt.libvirt.driver.LibvirtDriver.spawn", _adopting_spawn(self)
@@ -234,7 +233,7 @@ class TestNovaMovesRealGuest(
     def test_hot_guest_goes_by_hybrid_postcopy(self) -> None:
         # Anonymous memory on both ends, and a 64 MiB/s stream (Nova's own cap).
         self.flags(file_backed_memory=0, live_migration_bandwidth=64, group="libvirt")
-        self.flags(stream_bandwidth_mib=64, group="flexmig")
+        self.flags(stream_bandwidth_mib=64, group="migration")
         _name, _migration, seen = self._boot_and_migrate(HOT)
         self.assertEqual(["flexmig_postcopy"], seen["events"])
 
@@ -249,6 +248,23 @@ class TestNovaMovesRealGuest(
         self.assertLessEqual(int((group / "memory.max_usage_in_bytes").read_text()), limit)
         # 300 MiB of verified working set lives on a host capped below it.
         self.assertGreater(seen["verify"]["pages"] * 4096, limit)
+
+    def test_guest_goes_over_the_movers_with_parallel_connections(self) -> None:
+        """The Nova path over the ``mover`` transport: the destination's agent starts
+        receiving movers in pre_live_migration, the source's agent the sending ones,
+        QEMU migrates over ``unix://`` through them, one pair per connection."""
+        self.flags(transport="mover", group="migration")
+        self.flags(live_migration_parallel_connections=2, group="libvirt")
+        _name, _migration, seen = self._boot_and_migrate(MODERATE)
+        self.assertEqual(["flexmig_precopy"], seen["events"])
+        log = self.stdlog.logger.output
+        for side in ("source", "destination"):
+            moved = re.search(rf"{side} movers moved (\d+) bytes in (\d+) stream", log)
+            self.assertIsNotNone(moved, f"the {side}'s movers never reported:\n{log[-3000:]}")
+            # QEMU's main connection and its two multifd channels, each its own pair
+            self.assertEqual(3, int(moved.group(2)))
+            # at least the guest's 64 MiB working set went through them
+            self.assertGreater(int(moved.group(1)), 64 * MIB)
 
     @pytest.mark.skip(
         reason="open defect (issue 15): on the Nova path the destination offloads the flow "

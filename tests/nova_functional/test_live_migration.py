@@ -59,13 +59,14 @@ class FlexMigNovaTestBase(
             harness.GuestWorkloads(lambda: self.computes["dest"].driver._host.get_connection())
         )
         self.flags(
-            agent_address="127.0.0.1",
-            agent_key_file=self.src_agent.key_file,
+            agent_address="127.0.0.1", agent_key_file=self.src_agent.key_file, group="flexmig"
+        )
+        self.flags(
             dirty_sample_seconds=[1, 2],
             bandwidth_probe_mib=8,
             stream_bandwidth_mib=64,
             max_downtime_ms=300,
-            group="flexmig",
+            group="migration",
         )
         if self.FILE_BACKED:
             self.flags(file_backed_memory=16384, group="libvirt")
@@ -295,7 +296,7 @@ class TestRefusedMigration(FlexMigNovaTestBase):
 
 class TestConfiguration(FlexMigNovaTestBase):
     def test_invalid_option_stops_the_compute_service(self) -> None:
-        self.flags(dirty_sample_seconds=[2, 2], group="flexmig")
+        self.flags(dirty_sample_seconds=[2, 2], group="migration")
         error = self.assertRaises(flexmig_conf.InvalidConfig, self.start_compute, hostname="third")
         self.assertIn("dirty_sample_seconds", str(error))
 

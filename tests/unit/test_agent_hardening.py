@@ -21,6 +21,7 @@ from agents.agent import api, auth, listener
 from agents.agent import config as agent_config
 from agents.agent.client import AgentClient, AgentError
 from agents.agent.service import Agent, limits, tls
+from flexmig import exceptions
 
 KEY = b"flexmig-hardening-test-key-0123456789"
 TIMEOUT_S = 1.0  # the agent's socket_timeout in these tests
@@ -69,7 +70,7 @@ def agent_conf(tmp_path: pathlib.Path, **settings: object) -> cfg.ConfigOpts:
     conf_file = tmp_path / "agent.conf"
     conf_file.write_text("[agent]\n" + "".join(f"{k} = {v}\n" for k, v in values.items()))
     conf = cfg.ConfigOpts()
-    conf.register_opts(agent_config.agent_opts, group="agent")
+    agent_config.register_opts(conf)
     conf(["--config-file", str(conf_file)], project="flexmig-test", default_config_files=[])
     agent_config.check_tls(conf)
     return conf
@@ -165,10 +166,12 @@ def test_orchestration_routes_answer_403_where_disabled(tmp_path: pathlib.Path) 
             ("POST", "/v1/migrations", body),
             ("POST", "/v1/plan", body),
             ("GET", "/v1/migrations", None),
-            ("POST", "/v1/mover/receive", {"migration_id": "ab" * 4, "token_salt": "0" * 48}),
         ]:
             with pytest.raises(AgentError, match="403.*allow_orchestration = false"):
                 client.request(method, path, payload)
+        # The movers stay open: Nova's driver asks both agents for them.
+        with pytest.raises(exceptions.InvalidInput, match="400.*migration_id must be hex"):
+            client.post("/v1/mover/receive", {"migration_id": "zz", "token_salt": "0" * 48})
         # Unsigned requests are still turned away by authentication first.
         with pytest.raises(AgentError, match="401"):
             AgentClient("127.0.0.1", port, b"not-the-deployment-key!!").post("/v1/migrations", body)
@@ -178,7 +181,8 @@ def test_orchestration_routes_are_live_where_allowed(tmp_path: pathlib.Path) -> 
     with serving(agent_conf(tmp_path)) as (_agent, port):
         client = AgentClient("127.0.0.1", port, KEY)
         assert client.get("/v1/migrations") == {"migrations": []}
-        with pytest.raises(AgentError, match="400"):
+        # Past the orchestration gate: the request itself is read (and refused).
+        with pytest.raises(exceptions.InvalidInput, match="400"):
             client.post("/v1/migrations", {"vm": "vm0", "dest": {}})
 
 
@@ -191,7 +195,7 @@ def test_the_mover_token_never_travels(tmp_path: pathlib.Path) -> None:
     with serving(agent_conf(tmp_path, allow_orchestration=True)) as (_agent, port):
         client = AgentClient("127.0.0.1", port, KEY)
         # A request carrying a token in clear is malformed: only the salt is accepted.
-        with pytest.raises(AgentError, match="400.*unknown field"):
+        with pytest.raises(exceptions.InvalidInput, match="400.*unknown field"):
             client.post("/v1/mover/receive", {"migration_id": "abcdef01", "token": token})
 
 

@@ -75,6 +75,8 @@ def test_post_config_points_nova_at_flexmig_with_every_option(stack):
         "agent_port": "9797",
         "agent_key_file": str(conf_dir(stack) / "agent.key"),
         "agent_timeout": "30",
+    }
+    assert dict(nova["migration"]) == {
         "max_downtime_ms": "300",
         "allowed_modes": "precopy,postcopy,split",
     }
@@ -87,28 +89,24 @@ def test_post_config_points_nova_at_flexmig_with_every_option(stack):
     assert nova["libvirt"]["live_migration_uri"] == "qemu+ssh://stack@%s/system"
 
 
-def flexmig_nova_opts() -> list[cfg.Opt]:
-    """The Nova driver's [flexmig] options, found as oslo-config-generator finds them."""
+def flexmig_nova_opts() -> list[tuple[str, list[cfg.Opt]]]:
+    """The Nova driver's option groups, found as oslo-config-generator finds them."""
     for entry in importlib.metadata.entry_points(group="oslo.config.opts"):
-        try:
-            groups = entry.load()()
-        except (ImportError, AttributeError):
-            continue
-        for group, opts in groups:
-            if str(group) == "flexmig":
-                return list(opts)
-    pytest.skip("no oslo.config.opts entry point lists [flexmig] (the Nova driver, branch nova)")
+        if entry.name == "flexmig.nova":
+            return [(str(group), list(opts)) for group, opts in entry.load()()]
+    pytest.skip("no oslo.config.opts entry point flexmig.nova (the Nova driver)")
 
 
 def test_nova_conf_is_what_the_nova_driver_accepts(stack):
-    opts = flexmig_nova_opts()
+    groups = flexmig_nova_opts()
     stack.run("stack:install", "stack:post-config")
     conf = cfg.ConfigOpts()
-    conf.register_opts(opts, group="flexmig")
+    for group, opts in groups:
+        conf.register_opts(opts, group=group)
     conf(["--config-file", str(stack.path("NOVA_CONF"))], project="flexmig-test")
     assert conf.flexmig.agent_port == 9797
-    assert list(conf.flexmig.allowed_modes) == ["precopy", "postcopy", "split"]
-    assert conf.flexmig.max_downtime_ms == 300
+    assert list(conf.migration.allowed_modes) == ["precopy", "postcopy", "split"]
+    assert conf.migration.max_downtime_ms == 300
     assert float(conf.flexmig.agent_timeout) == 30
 
 
@@ -121,7 +119,7 @@ def test_ipv6_only_devstack_agent_listens_on_host_ipv6(stack):
 def test_post_config_writes_an_agent_config_the_agent_accepts(stack):
     stack.run("stack:install", "stack:post-config")
     conf = cfg.ConfigOpts()
-    conf.register_opts(agent_config.agent_opts, group="agent")
+    agent_config.register_opts(conf)
     conf(["--config-file", str(conf_dir(stack) / "agent.conf")], project="flexmig-test")
     assert conf.agent.listen_address == "10.0.0.11"
     assert conf.agent.port == 9797
@@ -129,7 +127,8 @@ def test_post_config_writes_an_agent_config_the_agent_accepts(stack):
     assert conf.agent.store_dir == stack.env["FLEXMIG_STORE_DIR"]
     assert conf.agent.state_dir == stack.env["FLEXMIG_STATE_DIR"]
     assert conf.agent.unix_socket == stack.env["FLEXMIG_STATE_DIR"] + "/agent.sock"
-    assert conf.agent.max_downtime_ms == 300
+    assert conf.migration.max_downtime_ms == 300
+    assert list(conf.migration.allowed_modes) == ["precopy", "postcopy", "split"]
     assert conf.agent.memory_budget_mb == 0
     assert conf.agent.cgroup_parent == "flexmig"
     assert conf.agent.libvirt_uri == "qemu:///system"
@@ -287,7 +286,7 @@ def test_second_post_config_changes_nothing(stack):
 def test_only_the_allowed_modes_touch_libvirt_and_the_kernel(stack):
     stack.run("stack:install", "stack:post-config", localrc="FLEXMIG_ALLOWED_MODES=precopy")
     nova = ini(stack.path("NOVA_CONF"))
-    assert nova["flexmig"]["allowed_modes"] == "precopy"
+    assert nova["migration"]["allowed_modes"] == "precopy"
     assert not nova.has_option("libvirt", "file_backed_memory")
     assert not nova.has_option("libvirt", "live_migration_permit_post_copy")
     assert stack.path("QEMU_CONF").read_text() == QEMU_CONF
@@ -388,7 +387,7 @@ def test_all_stack_phases_in_one_process_as_stack_sh_runs_them(stack):
         "stack:test-config",
     )
     assert [c[0] for c in stack.calls("run_process")] == ["flexmig-agent", "flexmig-offload"]
-    assert ini(stack.path("NOVA_CONF"))["flexmig"]["allowed_modes"] == "precopy,postcopy,split"
+    assert ini(stack.path("NOVA_CONF"))["migration"]["allowed_modes"] == "precopy,postcopy,split"
 
 
 # -- bad settings ---------------------------------------------------------------

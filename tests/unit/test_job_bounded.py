@@ -16,11 +16,9 @@ import libvirt
 import pytest
 
 from flexmig import exceptions, hypervisor
-from flexmig.modes import job as job_module
-from flexmig.modes.job import JobConfig, MigrationJob
-from flexmig.modes.postcopy import PostcopyMode
-from flexmig.policy.decision import decide
-from tests.unit.test_policy import HOT, _inputs
+from flexmig.migration import libvirt_job as job_module
+from flexmig.migration.libvirt_job import JobConfig, MigrationJob
+from tests.unit.engine_fakes import make_plan
 
 FOREVER = 30.0  # longer than any deadline below: a call that "never" returns
 
@@ -101,9 +99,11 @@ def _run(monkeypatch, dom: WedgedDomain) -> tuple[job_module.JobResult, list[str
 
     monkeypatch.setattr(hypervisor, "start_migration", start_migration)
     monkeypatch.setattr(hypervisor, "connect", connect)
-    decision = decide(_inputs(dirty=HOT, file_backed=False))
-    assert decision.transfer == "postcopy"
-    decision = dataclasses.replace(decision, postcopy_after_round=1)
+    plan = make_plan(hot=True, file_backed=False)
+    assert plan.decision.transfer == "postcopy"
+    plan = dataclasses.replace(
+        plan, decision=dataclasses.replace(plan.decision, postcopy_after_round=1)
+    )
     events: list[str] = []
     config = JobConfig(
         "qemu+tcp://b/system",
@@ -116,7 +116,7 @@ def _run(monkeypatch, dom: WedgedDomain) -> tuple[job_module.JobResult, list[str
         call_timeout_s=0.3,
         end_timeout_s=1.0,
     )
-    job = MigrationJob(dom, "A", decision, PostcopyMode(), config, on_event=events.append)  # type: ignore[arg-type]
+    job = MigrationJob(dom, "A", plan, config, on_event=events.append)  # type: ignore[arg-type]
     start = time.monotonic()
     result = job.run()
     return result, events, time.monotonic() - start

@@ -212,8 +212,7 @@ class _NoMigrations:
 @pytest.mark.parametrize(
     ("extra", "reason"),
     [
-        ({"parallel": 2, "mode": "postcopy"}, "need mode 'precopy'"),
-        ({"parallel": 2}, "need mode 'precopy'"),  # auto may pick postcopy or split
+        ({"parallel": 2, "mode": "postcopy"}, "cannot carry postcopy"),
         ({"parallel": 9, "mode": "precopy"}, "not in 1..8"),
         ({"parallel": 0, "mode": "precopy"}, "not in 1..8"),
         ({"parallel": "4", "mode": "precopy"}, "parallel"),
@@ -222,9 +221,10 @@ class _NoMigrations:
 def test_the_agent_refuses_bad_parallel_requests(extra, reason):
     from types import SimpleNamespace
 
-    from agents.agent import api, service
+    from agents.agent import service
 
     agent = SimpleNamespace(migrations=_NoMigrations(), _destination=lambda dest: dest)
     body = {"vm": "vm0", "dest": {}, **extra}
-    with pytest.raises(api.BadRequest, match=reason):
+    agent._request = lambda body: service.Agent._request(agent, body)
+    with pytest.raises(exceptions.InvalidInput, match=reason):
         service.Agent.migrate(agent, body, None)

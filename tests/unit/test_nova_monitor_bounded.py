@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import threading
 import time
-import types
 
 import libvirt
 import pytest
@@ -13,6 +12,7 @@ import pytest
 pytest.importorskip("nova")
 
 from nova_driver import monitor  # noqa: E402
+from tests.unit.engine_fakes import make_plan  # noqa: E402
 
 
 class StuckGuest:
@@ -38,18 +38,18 @@ class Migration:
 
 
 def _monitor() -> monitor.PlanMonitor:
-    plan = types.SimpleNamespace(decision=types.SimpleNamespace(max_downtime_ms=300))
-    return monitor.PlanMonitor(libvirt, None, plan, Migration(), 0.3, 5.0, {}, 300)  # type: ignore[arg-type]
+    return monitor.PlanMonitor(libvirt, None, make_plan(hot=True), Migration(), 0.3, 5.0, {})
 
 
 def test_an_unanswered_switch_aborts_within_the_call_deadline(monkeypatch):
     monkeypatch.setattr(monitor, "CALL_TIMEOUT_S", 0.2)
     watch, guest = _monitor(), StuckGuest()
     start = time.monotonic()
-    watch._switch(guest, instance=None)
+    switch = monitor.controller.Action(monitor.controller.SWITCH, "the plan switches")
+    watch._switch(guest, None, switch)
     assert time.monotonic() - start < 2.0
     assert guest.calls == ["switch", "abort"]
-    assert not watch.state.switched
+    assert not watch.control.switched
     assert "switch to postcopy" in (watch.state.aborted_for or "")
 
 
@@ -59,6 +59,6 @@ def test_job_info_that_never_comes_aborts_a_precopy_after_the_stall_timeout(monk
     assert watch._job_info(guest) is None
     watch._unanswered(guest)
     assert guest.calls == []  # not yet past the stall timeout
-    watch.state.last_move -= 1.0
+    time.sleep(0.4)
     watch._unanswered(guest)
     assert guest.calls == ["abort"] and "no job info" in (watch.state.aborted_for or "")

@@ -1,8 +1,6 @@
-"""The Nova driver's planning helpers: guest memory facts, blockers, flags, migrate data."""
+"""The Nova driver's migrate data: the destination's offer through Nova's RPC."""
 
 from __future__ import annotations
-
-import types
 
 import pytest
 
@@ -11,54 +9,9 @@ pytest.importorskip("nova", reason="Nova is not installed (tools/setup.sh instal
 from nova.objects import base as obj_base  # noqa: E402
 from nova.objects import migrate_data as nova_migrate_data  # noqa: E402
 
-from nova_driver import migrate_data, planning  # noqa: E402
+from nova_driver import migrate_data  # noqa: E402
 
 MIB = 2**20
-PLAIN = "<domain><memory unit='KiB'>524288</memory><devices/></domain>"
-FILE_BACKED = (
-    "<domain><memory unit='KiB'>524288</memory><memoryBacking><source type='file'/>"
-    "<access mode='shared'/></memoryBacking><devices/></domain>"
-)
-PASSTHROUGH = "<domain><devices><hostdev mode='subsystem' type='pci'/></devices></domain>"
-
-
-def test_plain_guest_memory() -> None:
-    memory = planning.guest_memory(PLAIN, 524288, {"rss": 100 * 1024})
-    assert memory.ram_bytes == 512 * MIB
-    assert memory.resident_bytes == 100 * MIB
-    assert not memory.file_backed
-    assert memory.postcopy_blocker is None
-
-
-def test_resident_defaults_to_all_of_ram_and_is_capped_by_it() -> None:
-    assert planning.guest_memory(PLAIN, 524288, {}).resident_bytes == 512 * MIB
-    assert planning.guest_memory(PLAIN, 524288, {"rss": 900 * 1024}).resident_bytes == 512 * MIB
-
-
-def test_file_backed_guest_rules_postcopy_out() -> None:
-    memory = planning.guest_memory(FILE_BACKED, 524288, {})
-    assert memory.file_backed
-    assert "file-backed" in memory.postcopy_blocker
-
-
-def test_passthrough_device_rules_postcopy_out() -> None:
-    memory = planning.guest_memory(PASSTHROUGH, 524288, {})
-    assert memory.postcopy_blocker == "the VM has a passthrough device"
-
-
-def _conf(modes: list[str]) -> types.SimpleNamespace:
-    return types.SimpleNamespace(flexmig=types.SimpleNamespace(allowed_modes=modes))
-
-
-def test_allowed_modes_become_blockers() -> None:
-    memory = planning.guest_memory(PLAIN, 524288, {})
-    assert planning.blockers(_conf(["precopy", "postcopy", "split"]), memory, False) == (
-        None,
-        None,
-    )
-    postcopy, split = planning.blockers(_conf(["precopy"]), memory, False)
-    assert "allowed_modes" in postcopy and "allowed_modes" in split
-    assert "paused" in planning.blockers(_conf(["precopy", "postcopy"]), memory, True)[0]
 
 
 def test_offer_survives_nova_rpc_serialisation() -> None:
@@ -70,6 +23,9 @@ def test_offer_survives_nova_rpc_serialisation() -> None:
         free_for_vms_bytes=400 * MIB,
         store_free_bytes=8192 * MIB,
         split_budget_bytes=240 * MIB,
+        mover=migrate_data.MoverOffer(
+            migration_id="ab" * 16, token_salt="5a" * 24, address="10.250.0.12", ports=(7471, 7472)
+        ),
     )
     data = nova_migrate_data.LibvirtLiveMigrateData(block_migration=False, bdms=[])
     extended = migrate_data.FlexMigLiveMigrateData.extend(data, offer)

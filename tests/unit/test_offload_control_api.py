@@ -7,6 +7,7 @@ path); requests go through the same client the agent uses.
 import pytest
 
 from agents.agent.client import AgentClient, AgentError
+from flexmig import exceptions
 from ovs_ext import control_api
 from ovs_ext.app import Runtime
 from ovs_ext.flows import FlowState
@@ -72,7 +73,7 @@ def test_bad_depart_requests_are_refused_and_change_nothing(served, body):
     sim, client, _ = served
     m = flow(1)
     offloaded(sim, m)
-    with pytest.raises(AgentError, match="400"):
+    with pytest.raises(exceptions.InvalidInput, match="400"):  # bad input, not a backend
         client.post("/v1/migrations/depart", body)
     assert sim.control.flows.get(m).state is FlowState.OFFLOADED
     assert sim.control.flows.get(m).held == ""
@@ -81,8 +82,8 @@ def test_bad_depart_requests_are_refused_and_change_nothing(served, body):
 def test_arrive_with_a_malformed_record_registers_nothing(served):
     sim, client, _ = served
     body = {"migration_id": "m1", "ports": ["tap0"], "peer": "a", "flows": [{"v": 1}]}
-    with pytest.raises(AgentError, match="400"):
+    with pytest.raises(exceptions.InvalidInput, match="400"):  # bad input, not a backend
         client.post("/v1/migrations/arrive", body)
     assert len(sim.control.flows) == 0
-    with pytest.raises(AgentError, match="400"):
+    with pytest.raises(exceptions.InvalidInput, match="400"):  # bad input, not a backend
         client.post("/v1/migrations/m1/resume", {})

@@ -125,14 +125,17 @@ def test_short_destination_chooses_split_with_a_budget():
 
 
 def test_short_destination_without_file_backing_is_refused_with_reasons():
-    with pytest.raises(exceptions.InvalidInput, match="not file-backed"):
+    with pytest.raises(exceptions.PolicyRefused, match="not file-backed") as refused:
         decide(_inputs(dest_free_bytes=400 * MIB, file_backed=False))
+    precopy_reason, split_reason = refused.value.reasons
+    assert precopy_reason.startswith("precopy and postcopy are unavailable")
+    assert split_reason.startswith("split is unavailable")
 
 
 def test_forcing_an_unavailable_mode_is_refused():
-    with pytest.raises(exceptions.InvalidInput, match="postcopy for vm is unavailable"):
+    with pytest.raises(exceptions.PolicyRefused, match="vm: postcopy is unavailable"):
         decide(_inputs(postcopy_blocker="a passthrough device"), "postcopy")
-    with pytest.raises(exceptions.InvalidInput, match="split .* unavailable"):
+    with pytest.raises(exceptions.PolicyRefused, match="split is unavailable"):
         decide(_inputs(file_backed=False), "split")
 
 

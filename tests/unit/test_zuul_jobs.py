@@ -184,8 +184,8 @@ def test_each_node_of_each_job_stacks_with_its_settings(tmp_path: Path, name, ro
     )
     localrc = variables["devstack_localrc"]
     nova = ini(stack.path("NOVA_CONF"))
-    assert nova["flexmig"]["allowed_modes"] == localrc["FLEXMIG_ALLOWED_MODES"]
-    assert nova["flexmig"]["max_downtime_ms"] == str(localrc["FLEXMIG_MAX_DOWNTIME_MS"])
+    assert nova["migration"]["allowed_modes"] == localrc["FLEXMIG_ALLOWED_MODES"]
+    assert nova["migration"]["max_downtime_ms"] == str(localrc["FLEXMIG_MAX_DOWNTIME_MS"])
     conf_dir = stack.path("FLEXMIG_CONF_DIR")
     assert (conf_dir / "agent.key").read_text() == "5e" * 32 + "\n"
     budget = str(localrc.get("FLEXMIG_AGENT_MEMORY_BUDGET_MB", 0))

@@ -79,6 +79,8 @@ def agent_conf(
             f"unix_socket = {unix_socket}",
             f"memory_budget_mb = {memory_budget_mb}",
             f"cgroup_parent = {cgroup_parent}",
+            # The engine's options (flexmig/migration/options.py).
+            "[migration]",
             # Lab fault tests cut links on purpose: notice a dead stream sooner.
             "stall_timeout = 8",
             "recovery_timeout = 120",

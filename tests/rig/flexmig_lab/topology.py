@@ -14,6 +14,7 @@ import os
 import re
 import string
 
+from agents.agent.client import DEFAULT_PORT
 from flexmig import exceptions
 
 MAX_HOSTS = 8
@@ -58,7 +59,7 @@ HOST_MGMT_IF = "mgmt0"
 HOST_TENANT_IF = "phy0"
 INTEGRATION_BRIDGE = "br-int"
 LIBVIRT_TCP_PORT = 16509
-AGENT_PORT = 9797  # every lab host's flexmig-agent, on its management address
+AGENT_PORT = DEFAULT_PORT  # every lab host's flexmig-agent, on its management address
 # The fabric namespace's own tenant address: a probe point for the tenant
 # network (e.g. pinging a VM through its host's br-int and uplink).
 TENANT_PROBE_IP = TENANT_NET.network_address + 254

@@ -1,10 +1,12 @@
-"""One migration job through libvirt: start, watch, switch, abort or recover.
+"""The agent's executor of a plan: one migration job through libvirt.
 
 The job runs ``migrateToURI3`` in a worker thread and watches it from the
-caller's thread.  Watchdogs turn a stalled stream or a lost destination agent
-into an abort while abort is still safe (precopy: the VM keeps running on the
-source).  Once postcopy has started the VM's state is split between hosts, so
-a stall pauses postcopy instead and the job keeps trying to resume it.
+caller's thread, carrying out what the ``Controller`` decides (the plan's
+postcopy switch, the in-flight correction, the stall watchdog).  A lost
+destination agent interrupts it too.  An interruption aborts while abort is
+still safe (precopy: the VM keeps running on the source).  Once postcopy has
+started the VM's state is split between hosts, so it pauses postcopy instead
+and the job keeps trying to resume it.
 
 Every libvirt call the watch makes has a deadline (``call_timeout_s``), and
 so has libvirt's own job once interrupted (``end_timeout_s``): a daemon or
@@ -25,28 +27,29 @@ from collections.abc import Callable
 import libvirt
 
 from flexmig import exceptions, hypervisor
-from flexmig.modes.base import MigrationMode
-from flexmig.policy import inflight
-from flexmig.policy.decision import Decision
+from flexmig.migration import controller
+from flexmig.migration.controller import Action, Controller
+from flexmig.migration.planner import Plan
 
 ProgressFn = Callable[[str, dict[str, int]], None]
 EventFn = Callable[[str], None]
 PEER_CHECK_INTERVAL_S = 1.0
 PEER_FAILURES_TO_ABORT = 3
+BASE_FLAGS = (
+    libvirt.VIR_MIGRATE_LIVE
+    | libvirt.VIR_MIGRATE_PEER2PEER
+    | libvirt.VIR_MIGRATE_PERSIST_DEST
+    | libvirt.VIR_MIGRATE_UNDEFINE_SOURCE
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class JobConfig:
     dest_libvirt_uri: str
     migration_uri: str
-    bandwidth_mib: int = 0
     stall_timeout_s: float = 15.0
     recovery_timeout_s: float = 300.0
     poll_s: float = 0.2
-    # The full downtime budget (the decision may use a tighter limit); 0: the decision's.
-    downtime_budget_ms: int = 0
-    # libvirt parallel connections (QEMU multifd channels); 1: the single stream.
-    parallel: int = 1
     # The source's own libvirt, for questions asked on a connection of their
     # own; "": not asked (the job's connection alone).
     source_libvirt_uri: str = ""
@@ -78,8 +81,7 @@ class MigrationJob:
         self,
         dom: libvirt.virDomain,
         host: str,
-        decision: Decision,
-        mode: MigrationMode,
+        plan: Plan,
         config: JobConfig,
         on_progress: ProgressFn | None = None,
         on_event: EventFn | None = None,
@@ -87,33 +89,38 @@ class MigrationJob:
     ) -> None:
         self.dom = dom
         self.host = host
-        self.decision = decision
-        self.mode = mode
+        self.plan = plan
         self.config = config
         self.on_progress = on_progress or (lambda _phase, _stats: None)
         self.on_event = on_event or (lambda _text: None)
         self.peer_alive = peer_alive
         self.result = JobResult(state="running")
+        self.control = Controller(
+            plan,
+            config.stall_timeout_s,
+            recovers_postcopy=True,
+            setup_timeout_s=config.setup_timeout_s,
+        )
         self._abort_reason: str | None = None
-        self._limit_ms = decision.max_downtime_ms
-        self._stopped = False  # paused for seed 000's stop-and-copy
         self._interrupted_at: float | None = None
         self._abandoned = False  # libvirt's job never ended after the interruption
 
     def _params(self) -> dict[str, object]:
         params: dict[str, object] = {libvirt.VIR_MIGRATE_PARAM_URI: self.config.migration_uri}
-        if self.config.bandwidth_mib:
+        cap = self.plan.request.bandwidth_mib
+        if cap:
             # A cap emulates a slower link: it holds for both phases (libvirt's
             # plain bandwidth leaves postcopy's page pushing uncapped).
-            params[libvirt.VIR_MIGRATE_PARAM_BANDWIDTH] = self.config.bandwidth_mib
-            params[libvirt.VIR_MIGRATE_PARAM_BANDWIDTH_POSTCOPY] = self.config.bandwidth_mib
-        if self.config.parallel > 1:
-            params[libvirt.VIR_MIGRATE_PARAM_PARALLEL_CONNECTIONS] = self.config.parallel
+            params[libvirt.VIR_MIGRATE_PARAM_BANDWIDTH] = cap
+            params[libvirt.VIR_MIGRATE_PARAM_BANDWIDTH_POSTCOPY] = cap
+        if self.plan.parallel > 1:
+            params[libvirt.VIR_MIGRATE_PARAM_PARALLEL_CONNECTIONS] = self.plan.parallel
         return params
 
+    def flags(self) -> int:
+        return BASE_FLAGS | self.plan.mode_flags(libvirt)
+
     def _start(self, flags: int) -> tuple[threading.Thread, list[BaseException]]:
-        if self.config.parallel > 1:
-            flags |= libvirt.VIR_MIGRATE_PARALLEL
         return hypervisor.start_migration(
             self.dom,
             self.host,
@@ -126,9 +133,9 @@ class MigrationJob:
     def run(self) -> JobResult:
         start = time.monotonic()
         with hypervisor.wrap_errors(self.host, "set the downtime limit"):
-            limit = self.decision.max_downtime_ms
+            limit = self.plan.decision.max_downtime_ms
             self._call(lambda: self.dom.migrateSetMaxDowntime(limit), "set the downtime limit")
-        worker, errors = self._start(self.mode.flags(self.decision))
+        worker, errors = self._start(self.flags())
         self._watch(worker)
         if errors and not self.result.switched_to_postcopy and self._source_in_postcopy():
             # The switch was made although libvirt never answered it.
@@ -144,13 +151,12 @@ class MigrationJob:
             self._keep_source_running()
         else:
             self.result.state = "completed"
-            if self._stopped:
+            if self.control.stopped:
                 self._resume_on_destination()
         self.result.elapsed_s = time.monotonic() - start
         return self.result
 
     def _watch(self, worker: threading.Thread) -> None:
-        last_bytes, last_move = -1, time.monotonic()
         peer_failures, next_peer_check = 0, time.monotonic() + PEER_CHECK_INTERVAL_S
         self._interrupted_at = None
         while worker.is_alive():
@@ -159,64 +165,59 @@ class MigrationJob:
                 return
             stats = self._stats()
             if stats:
-                self._on_stats(stats)
-                if stats.get("memory_processed", 0) != last_bytes:
-                    last_bytes, last_move = stats.get("memory_processed", 0), time.monotonic()
-            # No statistics at all (libvirt busy with a stuck QEMU) is no progress too.
-            limit = self.config.stall_timeout_s if last_bytes > 0 else self.config.setup_timeout_s
-            if worker.is_alive() and time.monotonic() - last_move > limit:
-                self._interrupt(f"no progress for {limit:.0f} s")
-                last_move = time.monotonic()
+                phase = "postcopy" if self.result.switched_to_postcopy else "precopy"
+                self.on_progress(phase, stats)
+            if not worker.is_alive():
+                break
+            for action in self.control.on_stats(stats, time.monotonic()):
+                if self._interrupted_at is None or action.kind == controller.INTERRUPT:
+                    self._apply(action, stats)  # being ended: no switches or corrections
             if self.peer_alive and time.monotonic() >= next_peer_check:
                 next_peer_check = time.monotonic() + PEER_CHECK_INTERVAL_S
                 peer_failures = 0 if self.peer_alive() else peer_failures + 1
                 if peer_failures == PEER_FAILURES_TO_ABORT:
                     self._interrupt("destination agent stopped answering")
 
-    def _on_stats(self, stats: dict[str, int]) -> None:
-        phase = "postcopy" if self.result.switched_to_postcopy else "precopy"
-        self.on_progress(phase, stats)
-        if self._interrupted_at is not None:
-            return  # being ended: no more switches or corrections
-        if not self.result.switched_to_postcopy and self.mode.should_switch_to_postcopy(
-            self.decision, stats
-        ):
-            self._switch_to_postcopy(stats)
-        elif not self.result.switched_to_postcopy and not self._stopped:
-            self._correct(stats)
-
-    def _correct(self, stats: dict[str, int]) -> None:
-        """A stream slower than planned: the policy's in-flight correction."""
-        change = inflight.adjust(
-            inflight.Progress(
-                iteration=stats.get("memory_iteration", 0),
-                processed_bytes=stats.get("memory_processed", 0),
-                remaining_bytes=stats.get("memory_remaining", 0),
-                ram_bytes=self.decision.ram_bytes,
-                bandwidth_bps=float(stats.get("memory_bps", 0)),
-            ),
-            planned_rounds=len(self.decision.prediction.rounds),
-            limit_ms=self._limit_ms,
-            budget_ms=max(self.config.downtime_budget_ms, self.decision.max_downtime_ms),
-            postcopy_enabled=self.decision.transfer == "postcopy",
-        )
-        if change.action == "none":
+    def _apply(self, action: Action, stats: dict[str, int]) -> None:
+        if action.kind == controller.INTERRUPT:
+            self._interrupt(action.reason)
             return
-        self.on_event(change.reason)
+        if action.kind != controller.SWITCH:
+            self.on_event(action.reason)
         try:
-            if change.action == "switch_postcopy":
-                self._switch_to_postcopy(stats)
-            elif change.action == "raise_downtime" and change.downtime_ms is not None:
-                self._limit_ms = limit = change.downtime_ms
+            if action.kind == controller.SWITCH:
+                self._switch(action, stats)
+                return
+            if action.kind == controller.SET_DOWNTIME and action.downtime_ms is not None:
+                limit = action.downtime_ms
                 self._call(lambda: self.dom.migrateSetMaxDowntime(limit), "raise the limit")
-            elif change.action == "stop_and_copy":
-                self._stopped = True
+            elif action.kind == controller.PAUSE_GUEST:
                 # A failed migration resumes it (_keep_source_running).
                 self._call(self.dom.suspend, "pause the guest")
         except libvirt.libvirtError as exc:
-            self.on_event(f"libvirt refused the correction: {exc.get_error_message()}")
+            self.on_event(f"libvirt refused to {action.kind}: {exc.get_error_message()}")
+            return
         except exceptions.Timeout as exc:
             self.on_event(str(exc))
+            return
+        self.control.done(action)
+
+    def _switch(self, action: Action, stats: dict[str, int]) -> None:
+        try:
+            self._call(self.dom.migrateStartPostCopy, "switch to postcopy")
+        except exceptions.Timeout as exc:
+            self.on_event(str(exc))
+            if not self._source_in_postcopy():
+                # Still precopy, with a daemon that does not answer: abort
+                # while the VM is whole on the source.
+                self._interrupt("libvirt did not answer the switch to postcopy")
+                return
+        self.result.switched_to_postcopy = True
+        self.control.done(action)
+        self.on_event(
+            f"switched to postcopy after round {stats.get('memory_iteration', 0) - 1}"
+            + ("" if action.reason.startswith("the plan") else f": {action.reason}")
+        )
 
     def _job_outlived_interruption(self) -> bool:
         if self._interrupted_at is None:
@@ -235,7 +236,7 @@ class MigrationJob:
 
     def _stats(self) -> dict[str, int]:
         try:
-            stats = _int_stats(self._call(self.dom.jobStats, "report job statistics"))
+            stats = _int_stats(self._call(self.dom.jobStats, "report job statistics"))  # type: ignore[arg-type]
         except libvirt.libvirtError:
             return {}
         except exceptions.Timeout as exc:
@@ -245,22 +246,6 @@ class MigrationJob:
         if stats:
             self.result.last_stats = stats
         return stats
-
-    def _switch_to_postcopy(self, stats: dict[str, int]) -> None:
-        try:
-            self._call(self.dom.migrateStartPostCopy, "switch to postcopy")
-        except libvirt.libvirtError as exc:
-            self.on_event(f"switch to postcopy refused: {exc.get_error_message()}")
-            return
-        except exceptions.Timeout as exc:
-            self.on_event(str(exc))
-            if not self._source_in_postcopy():
-                # Still precopy, with a daemon that does not answer: abort
-                # while the VM is whole on the source.
-                self._interrupt("libvirt did not answer the switch to postcopy")
-                return
-        self.result.switched_to_postcopy = True
-        self.on_event(f"switched to postcopy after round {stats.get('memory_iteration', 0) - 1}")
 
     def _interrupt(self, reason: str) -> None:
         """Abort while precopy (safe), pause while postcopy (recoverable)."""
@@ -369,7 +354,7 @@ class MigrationJob:
 
     def _recover(self) -> None:
         deadline = time.monotonic() + self.config.recovery_timeout_s
-        flags = self.mode.flags(self.decision) | libvirt.VIR_MIGRATE_POSTCOPY_RESUME
+        flags = self.flags() | libvirt.VIR_MIGRATE_POSTCOPY_RESUME
         attempt = 0
         while time.monotonic() < deadline:
             if self._runs_on_source():
@@ -399,8 +384,8 @@ class MigrationJob:
             self.on_event(f"resume attempt {attempt} failed: {errors[0]}")
         self.result.state = "failed"
         self.result.error = (
-            f"postcopy could not be resumed within "
-            f"{self.config.recovery_timeout_s:.0f} s; the VM stays paused on "
-            "both hosts and resumes with 'flexmig migrate --resume' once the "
-            "fabric is back"
+            f"postcopy could not be resumed within {self.config.recovery_timeout_s:.0f} s; "
+            "the VM stays paused on both hosts, its memory split between them. Once the "
+            "fabric is back, resume it with libvirt: virsh migrate --postcopy "
+            "--postcopy-resume (the same destination and URI) on the source host"
         )

@@ -1,0 +1,238 @@
+"""From a request and the facts to a plan: pure functions, no I/O.
+
+Both the agent and the Nova driver read their facts (``facts``), describe the
+destination and the link, and call ``plan``: the same VM facts give the same
+plan whichever path asked.  The mode decision itself is
+``flexmig.policy.decision.decide``; this module feeds it and turns its
+decision into what libvirt is asked to do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from flexmig import exceptions
+from flexmig.migration.facts import PAGE, GuestMemory, VmFacts
+from flexmig.migration.options import EngineOptions
+from flexmig.migration.request import MigrationRequest
+from flexmig.policy import dirty_model
+from flexmig.policy.decision import Decision, MigrationInputs, decide, split_budget
+from flexmig.policy.transport import TransportChoice, choose_transport
+
+MIB = 2**20
+# Filesystems whose files userfaultfd can serve for postcopy (missing mode);
+# anonymous, shared (memfd/shmem) and hugetlbfs memory it serves too.
+USERFAULTFD_FILESYSTEMS = ("tmpfs", "hugetlbfs")
+
+
+@dataclasses.dataclass(frozen=True)
+class DestinationFacts:
+    free_for_vms_bytes: int
+    store_free_bytes: int
+    # Whether a split budget is already reserved there (the Nova path reserves
+    # in pre_live_migration, before planning); None: reserved on demand once
+    # the plan says split (the agent path).
+    split_reserved: bool | None = None
+    store_write_bps: float = 0.0  # the split store's measured write rate; 0: unknown
+    memory_cgroup: str = ""  # how the destination caps a split VM's residency
+
+    @classmethod
+    def from_agent(cls, facts: dict[str, Any]) -> DestinationFacts:
+        """From an agent's ``/v1/facts`` reply; a reply of another shape is a backend error."""
+        try:
+            return cls(
+                int(facts["free_for_vms_bytes"]),
+                int(facts["store_free_bytes"]),
+                store_write_bps=float(facts.get("store_write_bps") or 0.0),
+                memory_cgroup=str((facts.get("memory_cgroup") or {}).get("detail") or ""),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise exceptions.BackendError(
+                backend="destination agent", reason=f"facts not in the API's shape: {exc!r}"
+            ) from exc
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkFacts:
+    """What is known about the path to the destination."""
+
+    fabric_bps: float | None = None  # the raw path, by probe; None: not probed
+    stream_bps: float | None = None  # QEMU's stream, learned from earlier migrations
+    setup_s: float = 0.0  # job start until the first page moves
+    switchover_s: float = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    request: MigrationRequest
+    decision: Decision
+    transport: TransportChoice
+    parallel: int  # libvirt parallel connections in use; 1: the single stream
+    downtime_budget_ms: int  # the full budget (the decision may use a tighter limit)
+    bandwidth_bps: float  # the stream rate the prediction assumed
+    notes: tuple[str, ...] = ()
+
+    @property
+    def mode(self) -> str:
+        return self.decision.mode
+
+    def mode_flags(self, lv: Any) -> int:
+        """The libvirt flags this plan chooses (``lv``: the libvirt binding in use)."""
+        flags = 0
+        if self.decision.auto_converge:
+            flags |= lv.VIR_MIGRATE_AUTO_CONVERGE
+        if self.decision.transfer == "postcopy":
+            flags |= lv.VIR_MIGRATE_POSTCOPY
+        if self.parallel > 1:
+            flags |= lv.VIR_MIGRATE_PARALLEL
+        return flags
+
+    def merged_flags(self, other_flags: int, lv: Any) -> int:
+        """Another caller's flags (Nova's: tunnelling, TLS, block migration…) with ours.
+
+        Postcopy, auto-converge and parallel are the plan's, whatever Nova's
+        ``live_migration_permit_*`` options say; everything else stays.
+
+        >>> import types
+        >>> lv = types.SimpleNamespace(VIR_MIGRATE_POSTCOPY=32768,
+        ...     VIR_MIGRATE_AUTO_CONVERGE=8192, VIR_MIGRATE_PARALLEL=131072)
+        >>> plan = types.SimpleNamespace(mode_flags=lambda lv: 32768)
+        >>> Plan.merged_flags(plan, 1 | 2 | 8192, lv)
+        32771
+        """
+        chosen = lv.VIR_MIGRATE_POSTCOPY | lv.VIR_MIGRATE_AUTO_CONVERGE | lv.VIR_MIGRATE_PARALLEL
+        return (other_flags & ~chosen) | self.mode_flags(lv)
+
+    def explain(self) -> str:
+        lines = [self.decision.explain()]
+        lines.append(f"  transport: {self.transport.transport} ({self.transport.reason})")
+        lines += [f"  note: {note}" for note in self.notes]
+        return "\n".join(lines)
+
+
+def postcopy_blocker(memory: GuestMemory) -> str | None:
+    """Why postcopy cannot serve this VM's memory, or None: the one rule for every path.
+
+    userfaultfd (what postcopy's destination uses to catch missing pages)
+    serves anonymous, shared (memfd/shmem) and hugetlbfs memory and files on
+    tmpfs or hugetlbfs; a file on a disk filesystem it cannot, and libvirt
+    then leaves the source paused in "post-copy failed".
+
+    >>> mem = GuestMemory(2**30, 2**29, "file", "ext4", passthrough=False)
+    >>> postcopy_blocker(mem)
+    'its memory is a file on ext4, which userfaultfd cannot serve (it serves anonymous, \
+shared and hugetlbfs memory and files on tmpfs or hugetlbfs)'
+    >>> postcopy_blocker(dataclasses.replace(mem, backing_fs="tmpfs")) is None
+    True
+    >>> postcopy_blocker(dataclasses.replace(mem, backing="anonymous")) is None
+    True
+    """
+    if memory.passthrough:
+        return "the VM has a passthrough device"
+    if memory.backing != "file" or memory.backing_fs in USERFAULTFD_FILESYSTEMS:
+        return None
+    where = memory.backing_fs or "a filesystem this host could not determine"
+    return (
+        f"its memory is a file on {where}, which userfaultfd cannot serve (it serves "
+        "anonymous, shared and hugetlbfs memory and files on tmpfs or hugetlbfs)"
+    )
+
+
+def blockers(
+    vm: VmFacts, dest: DestinationFacts, opts: EngineOptions
+) -> tuple[str | None, str | None]:
+    """(postcopy blocker, split blocker) from the VM, the destination and the options."""
+    postcopy = postcopy_blocker(vm.memory)
+    needs_split = split_budget(vm.memory.ram_bytes, dest.free_for_vms_bytes) is not None
+    if postcopy is None and "postcopy" not in opts.allowed_modes:
+        postcopy = "postcopy is not in [migration] allowed_modes"
+    if postcopy is None and vm.paused:
+        postcopy = "the VM is paused (libvirt refuses postcopy for a paused VM)"
+    split = None
+    if "split" not in opts.allowed_modes:
+        split = "split is not in [migration] allowed_modes"
+    elif dest.split_reserved is False and needs_split:
+        # Reserved only where the VM does not fit (the Nova destination decides
+        # that before the plan): where it fits, the missing reservation says nothing.
+        split = "the destination reserved no split budget"
+    return postcopy, split
+
+
+def stream_bandwidth(request: MigrationRequest, link: LinkFacts, opts: EngineOptions) -> float:
+    """Bytes/s the stream is planned at: learned rate, else assumed capped by the probe;
+    then the request's cap.
+
+    >>> req = MigrationRequest(vm="v", bandwidth_mib=64)
+    >>> stream_bandwidth(req, LinkFacts(fabric_bps=100 * MIB), EngineOptions()) / MIB
+    64.0
+    >>> stream_bandwidth(MigrationRequest(vm="v"), LinkFacts(fabric_bps=100 * MIB),
+    ...                  EngineOptions()) / MIB
+    100.0
+    """
+    assumed = float(opts.stream_bandwidth_mib * MIB)
+    bandwidth = link.stream_bps or min(assumed, link.fabric_bps or math.inf)
+    if request.bandwidth_mib:
+        bandwidth = min(bandwidth, float(request.bandwidth_mib * MIB))
+    return bandwidth
+
+
+def parallel_connections(request: MigrationRequest, decision: Decision) -> tuple[int, str | None]:
+    """Parallel connections carry precopy only: (connections used, why fewer than asked)."""
+    if request.parallel > 1 and decision.transfer == "postcopy":
+        return 1, (
+            f"{request.parallel} parallel connections were asked for, but this plan "
+            "switches to postcopy, which they cannot carry: a single stream"
+        )
+    return request.parallel, None
+
+
+def plan(
+    request: MigrationRequest,
+    vm: VmFacts,
+    dest: DestinationFacts,
+    link: LinkFacts,
+    opts: EngineOptions,
+    rdma_both_ends: bool = False,
+) -> Plan:
+    """Decide the mode, transport and parameters of one migration."""
+    postcopy, split = blockers(vm, dest, opts)
+    budget_ms = request.downtime_budget_ms(opts.max_downtime_ms)
+    bandwidth = stream_bandwidth(request, link, opts)
+    mem = vm.memory
+    decision = decide(
+        MigrationInputs(
+            vm=vm.name,
+            ram_bytes=mem.ram_bytes,
+            resident_bytes=mem.resident_bytes,
+            dirty=dirty_model.fit(vm.dirty_samples, max_pages=mem.ram_bytes / PAGE),
+            bandwidth_bps=bandwidth,
+            dest_free_bytes=dest.free_for_vms_bytes,
+            dest_store_free_bytes=dest.store_free_bytes,
+            file_backed=mem.file_backed,
+            max_downtime_ms=budget_ms,
+            postcopy_blocker=postcopy,
+            split_blocker=split,
+            setup_s=link.setup_s,
+            switchover_s=link.switchover_s,
+            dest_store_write_bps=dest.store_write_bps,
+            dest_memory_cgroup=dest.memory_cgroup,
+        ),
+        request.mode,
+    )
+    if decision.mode not in opts.allowed_modes:
+        raise exceptions.PolicyRefused(
+            vm.name, [f"the policy chose {decision.mode}, which [migration] allowed_modes excludes"]
+        )
+    parallel, note = parallel_connections(request, decision)
+    transport = choose_transport(request.transport, rdma_both_ends, opts.tcp_fabric_transport)
+    return Plan(
+        request=request,
+        decision=decision,
+        transport=transport,
+        parallel=parallel,
+        downtime_budget_ms=budget_ms,
+        bandwidth_bps=bandwidth,
+        notes=(note,) if note else (),
+    )

@@ -1,0 +1,248 @@
+"""The engine's pure parts: the request, the options, the planner, the controller."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from oslo_config import cfg
+
+from flexmig import exceptions
+from flexmig.migration import controller, options, planner
+from flexmig.migration.controller import Controller
+from flexmig.migration.facts import declared_backing, filesystem_of
+from flexmig.migration.options import EngineOptions
+from flexmig.migration.request import MigrationRequest
+from tests.unit.engine_fakes import MIB, make_plan, vm_facts
+
+# -- request ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fields", "problem"),
+    [
+        ({"mode": "fast"}, "mode 'fast'"),
+        ({"max_downtime_ms": 0}, "max downtime 0 ms"),
+        ({"bandwidth_mib": -1}, "bandwidth -1"),
+        ({"transport": "carrier-pigeon"}, "transport 'carrier-pigeon'"),
+        ({"parallel": 9}, "parallel 9"),
+        ({"parallel": 2, "mode": "postcopy"}, "cannot carry postcopy"),
+        ({"vm": "../etc"}, "not a plain name"),
+    ],
+)
+def test_a_bad_request_is_invalid_input_naming_the_problem(fields, problem):
+    with pytest.raises(exceptions.InvalidInput, match=problem):
+        MigrationRequest(**({"vm": "vm"} | fields))
+
+
+def test_a_request_travels_as_json_and_back():
+    asked = MigrationRequest(vm="vm", mode="precopy", parallel=4, transport="mover")
+    body = asked.to_body()
+    assert body == {"vm": "vm", "mode": "precopy", "parallel": 4, "transport": "mover"}
+    assert MigrationRequest.from_body(body) == asked
+    with pytest.raises(exceptions.InvalidInput, match="'parallel' has the wrong type"):
+        MigrationRequest.from_body({"vm": "vm", "parallel": True})
+
+
+def test_the_downtime_default_is_applied_once_where_it_is_configured():
+    assert MigrationRequest(vm="vm").downtime_budget_ms(300) == 300
+    assert MigrationRequest(vm="vm", max_downtime_ms=50).downtime_budget_ms(300) == 50
+
+
+# -- options ------------------------------------------------------------------
+
+
+def _conf(tmp_path, text: str) -> cfg.ConfigOpts:
+    path = tmp_path / "x.conf"
+    path.write_text(text)
+    conf = cfg.ConfigOpts()
+    options.register_opts(conf)
+    conf(["--config-file", str(path)], project="flexmig-test", default_config_files=[])
+    return conf
+
+
+def test_old_agent_and_nova_option_names_still_work(tmp_path):
+    conf = _conf(tmp_path, "[agent]\nstall_timeout = 8\ninitial_stream_bandwidth_mib = 99\n")
+    opts = options.read(conf)
+    assert (opts.stall_timeout_s, opts.stream_bandwidth_mib) == (8.0, 99)
+    conf = _conf(tmp_path, "[flexmig]\nstall_timeout = 42\nallowed_modes = precopy\n")
+    opts = options.read(conf)
+    assert (opts.stall_timeout_s, opts.allowed_modes) == (42.0, ("precopy",))
+
+
+def test_defaults_are_one_set(tmp_path):
+    assert options.read(_conf(tmp_path, "")) == EngineOptions()
+
+
+@pytest.mark.parametrize(
+    ("text", "option"),
+    [
+        ("dirty_sample_seconds = 2,2", "dirty_sample_seconds"),
+        ("allowed_modes =", "allowed_modes"),
+        ("stall_timeout = 0", "stall_timeout"),
+        ("transport = fast", "transport"),
+    ],
+)
+def test_a_bad_option_names_itself(tmp_path, text, option):
+    with pytest.raises(options.InvalidConfig, match=rf"\[migration\] {option}"):
+        options.read(_conf(tmp_path, "[migration]\n" + text + "\n"))
+
+
+# -- facts (the pure parts) ---------------------------------------------------
+
+
+def test_backing_kinds_from_the_domain_definition():
+    def xml(backing: str) -> str:
+        return f"<domain><memoryBacking>{backing}</memoryBacking><devices/></domain>"
+
+    assert declared_backing(xml("<source type='file'/>"))[0] == "file"
+    assert declared_backing(xml("<source type='memfd'/>"))[0] == "shmem"
+    assert declared_backing(xml("<hugepages/>"))[0] == "hugepages"
+    assert declared_backing("<domain><devices/></domain>") == ("anonymous", False)
+
+
+def test_filesystem_of_takes_the_longest_mount_point(tmp_path):
+    mounts = tmp_path / "mounts"
+    mounts.write_text("/dev/sda1 / ext4 rw 0 0\ntmpfs /run tmpfs rw 0 0\n")
+    assert filesystem_of("/run/flexmig/x", str(mounts)) == "tmpfs"
+    assert filesystem_of("/runner", str(mounts)) == "ext4"
+    assert filesystem_of("/x", str(tmp_path / "missing")) is None
+
+
+# -- planner ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("backing", "fs", "blocked"),
+    [
+        ("anonymous", None, False),
+        ("shmem", None, False),
+        ("hugepages", None, False),
+        ("file", "tmpfs", False),
+        ("file", "hugetlbfs", False),
+        ("file", "ext4", True),
+        ("file", None, True),  # a file on a filesystem nobody could name: not servable
+    ],
+)
+def test_one_rule_for_postcopy(backing, fs, blocked):
+    memory = dataclasses.replace(vm_facts().memory, backing=backing, backing_fs=fs)
+    assert (planner.postcopy_blocker(memory) is not None) == blocked
+
+
+def test_a_hot_file_backed_vm_on_tmpfs_gets_postcopy_on_ext4_precopy():
+    def mode(fs: str) -> tuple[str, str]:
+        vm = vm_facts(hot=True, backing_fs=fs)
+        plan = planner.plan(
+            MigrationRequest(vm="vm"),
+            vm,
+            planner.DestinationFacts(4096 * MIB, 8192 * MIB),
+            planner.LinkFacts(fabric_bps=300 * MIB),
+            EngineOptions(),
+        )
+        return plan.mode, plan.decision.alternatives.get("postcopy", "")
+
+    assert mode("tmpfs")[0] == "postcopy"
+    chosen, postcopy = mode("ext4")
+    assert chosen == "precopy" and "a file on ext4" in postcopy
+
+
+def test_allowed_modes_and_a_paused_vm_block_postcopy():
+    vm = vm_facts(hot=True, file_backed=False)
+    dest = planner.DestinationFacts(4096 * MIB, 8192 * MIB)
+    no_postcopy = EngineOptions(allowed_modes=("precopy", "split"))
+    assert "allowed_modes" in planner.blockers(vm, dest, no_postcopy)[0]
+    paused = dataclasses.replace(vm, paused=True)
+    assert "paused" in planner.blockers(paused, dest, EngineOptions())[0]
+
+
+def test_a_mode_the_operator_excludes_is_a_refusal_with_reasons():
+    with pytest.raises(exceptions.PolicyRefused) as refused:
+        planner.plan(
+            MigrationRequest(vm="vm"),
+            vm_facts(),
+            planner.DestinationFacts(400 * MIB, 8192 * MIB),
+            planner.LinkFacts(fabric_bps=300 * MIB),
+            EngineOptions(allowed_modes=("precopy", "postcopy")),
+        )
+    assert any("split is not in [migration] allowed_modes" in r for r in refused.value.reasons)
+
+
+def test_split_needs_a_reservation_where_the_caller_reserves_first():
+    with pytest.raises(exceptions.PolicyRefused, match="reserved no split budget"):
+        planner.plan(
+            MigrationRequest(vm="vm"),
+            vm_facts(),
+            planner.DestinationFacts(400 * MIB, 8192 * MIB, split_reserved=False),
+            planner.LinkFacts(fabric_bps=300 * MIB),
+            EngineOptions(),
+        )
+    assert make_plan(free_mib=400).mode == "split"
+
+
+def test_parallel_connections_are_dropped_for_a_postcopy_plan_and_said_so():
+    hot = make_plan(hot=True, file_backed=False, parallel=4)
+    assert (hot.mode, hot.parallel) == ("postcopy", 1)
+    assert "cannot carry" in hot.explain()
+    assert make_plan(parallel=4).parallel == 4
+
+
+def test_the_stream_is_planned_at_the_learned_rate_else_the_probe_capped_by_the_request():
+    req, opts = MigrationRequest(vm="vm", bandwidth_mib=64), EngineOptions()
+    assert planner.stream_bandwidth(req, planner.LinkFacts(stream_bps=500 * MIB), opts) == 64 * MIB
+    free = MigrationRequest(vm="vm")
+    assert planner.stream_bandwidth(free, planner.LinkFacts(), opts) == 256 * MIB
+    learned = planner.LinkFacts(fabric_bps=10 * MIB, stream_bps=500 * MIB)
+    assert planner.stream_bandwidth(free, learned, opts) == 500 * MIB
+
+
+def test_flags_are_the_plans_and_nova_keeps_its_own():
+    import libvirt
+
+    hot = make_plan(hot=True, file_backed=False)
+    assert hot.mode_flags(libvirt) == libvirt.VIR_MIGRATE_POSTCOPY
+    nova = libvirt.VIR_MIGRATE_LIVE | libvirt.VIR_MIGRATE_AUTO_CONVERGE
+    merged = hot.merged_flags(nova, libvirt)
+    assert merged == libvirt.VIR_MIGRATE_LIVE | libvirt.VIR_MIGRATE_POSTCOPY
+    parallel = make_plan(parallel=2)
+    assert parallel.mode_flags(libvirt) == libvirt.VIR_MIGRATE_PARALLEL
+
+
+# -- controller ---------------------------------------------------------------
+
+
+def _stats(iteration, processed_mib, remaining_mib=1, bps_mib=300):
+    return {
+        "memory_iteration": iteration,
+        "memory_processed": processed_mib * MIB,
+        "memory_remaining": remaining_mib * MIB,
+        "memory_bps": bps_mib * MIB,
+    }
+
+
+def test_the_controller_switches_once_at_the_plans_round():
+    plan = make_plan(hot=True, file_backed=False)
+    control = Controller(plan, stall_timeout_s=15, recovers_postcopy=False)
+    after = plan.decision.postcopy_after_round
+    assert control.on_stats(_stats(after, 100), 0) == []
+    (switch,) = control.on_stats(_stats(after + 1, 200), 1)
+    assert switch.kind == controller.SWITCH
+    assert control.on_stats(_stats(after + 1, 210), 2) == [switch]  # not done: asked again
+    control.done(switch)
+    assert control.on_stats(_stats(after + 2, 300), 3) == []
+
+
+def test_a_stall_in_postcopy_is_left_to_libvirt_where_the_executor_cannot_recover():
+    plan = make_plan(hot=True, file_backed=False)
+    for recovers, expected in ((False, []), (True, [controller.INTERRUPT])):
+        control = Controller(plan, stall_timeout_s=15, recovers_postcopy=recovers)
+        control.on_stats(_stats(1, 100), 0)
+        control.done(controller.Action(controller.SWITCH, "test"))
+        assert [a.kind for a in control.on_stats(_stats(1, 100), 20)] == expected
+
+
+def test_progress_re_arms_the_stall_watchdog():
+    control = Controller(make_plan(), stall_timeout_s=15, recovers_postcopy=True)
+    control.on_stats(_stats(1, 100), 0)
+    assert control.on_stats(_stats(1, 150), 14) == []
+    assert control.on_stats(_stats(1, 150), 28) == []  # 14 s since the last move
+    assert [a.kind for a in control.on_stats(_stats(1, 150), 30)] == [controller.INTERRUPT]

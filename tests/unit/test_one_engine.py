@@ -1,0 +1,206 @@
+"""The agent path and the Nova path give the same plan for the same VM facts.
+
+Each adapter reads the facts its own way (the agent through its privileged
+reader of QEMU's map, Nova through libvirt's memory statistics and the
+filesystem of the host's memory store that its local agent reports); both
+must come to the same decision, transport and parallel connections.  libvirt
+and the agents are small fakes here: this is the adapters' wiring, not I/O.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+
+import pytest
+
+pytest.importorskip("nova", reason="Nova is not installed (tools/setup.sh installs it)")
+
+from agents.agent import migrations  # noqa: E402
+from agents.agent.client import AgentClient  # noqa: E402
+from flexmig import exceptions  # noqa: E402
+from flexmig.migration import facts  # noqa: E402
+from flexmig.migration.options import EngineOptions  # noqa: E402
+from flexmig.migration.request import MigrationRequest  # noqa: E402
+from nova_driver import planning  # noqa: E402
+from nova_driver.migrate_data import DestinationOffer  # noqa: E402
+
+MIB = 2**20
+PAGE = 4096
+FABRIC_BPS = 300 * MIB
+
+
+@dataclasses.dataclass
+class Guest:
+    """One VM as libvirt and /proc show it."""
+
+    ram_mib: int = 512
+    resident_mib: int = 200
+    file_backed: bool = True
+    dirty_mib_per_s: dict[int, float] = dataclasses.field(
+        default_factory=lambda: {1: 19.0, 2: 17.0}
+    )
+
+
+class FakeDomain:
+    def __init__(self, guest: Guest) -> None:
+        self.guest = guest
+        self.period = 1
+
+    def name(self) -> str:
+        return "vm1"
+
+    def XMLDesc(self, flags: int = 0) -> str:
+        backing = (
+            "<memoryBacking><source type='file'/><access mode='shared'/></memoryBacking>"
+            if self.guest.file_backed
+            else ""
+        )
+        return f"<domain><name>vm1</name>{backing}<devices/></domain>"
+
+    def maxMemory(self) -> int:
+        return self.guest.ram_mib * 1024
+
+    def memoryStats(self) -> dict[str, int]:
+        return {"rss": self.guest.resident_mib * 1024}
+
+    def isActive(self) -> bool:
+        return True
+
+    def info(self) -> list[int]:
+        return [1, self.guest.ram_mib * 1024, self.guest.ram_mib * 1024, 1, 0]  # running
+
+    def startDirtyRateCalc(self, seconds: int, flags: int) -> None:
+        self.period = seconds
+
+
+class FakeConnection:
+    def __init__(self, dom: FakeDomain) -> None:
+        self.dom = dom
+
+    def domainListGetStats(self, doms, stats, flags=0):
+        rate = self.dom.guest.dirty_mib_per_s[self.dom.period]
+        return [(self.dom, {"dirtyrate.calc_status": 2, "dirtyrate.megabytes_per_second": rate})]
+
+    def lookupByName(self, name: str) -> FakeDomain:
+        return self.dom
+
+    def close(self) -> None:
+        pass
+
+
+class FakeAgent:
+    def __init__(self, facts: dict) -> None:
+        self.facts = facts
+        self.address = "10.250.0.2"
+
+    def get(self, path: str, **kw) -> dict:
+        assert path == "/v1/facts"
+        return self.facts
+
+    def probe_bandwidth(self, mib: int) -> float:
+        return FABRIC_BPS
+
+
+@pytest.fixture(autouse=True)
+def instant_sampling(monkeypatch):
+    monkeypatch.setattr(facts.time, "sleep", lambda s: None)
+    monkeypatch.setattr(AgentClient, "probe_bandwidth", lambda self, mib: FABRIC_BPS)
+
+
+OPTS = EngineOptions(dirty_sample_seconds=(1, 2))
+
+
+def _agent_plan(guest: Guest, dest_free_mib: int, store, monkeypatch, **asked):
+    dom = FakeDomain(guest)
+    monkeypatch.setattr(
+        migrations.hypervisor, "connect", lambda uri, host: _context(FakeConnection(dom))
+    )
+    monkeypatch.setattr(migrations.hypervisor, "find_domain", lambda conn, name: dom)
+    conf = types.SimpleNamespace(
+        agent=types.SimpleNamespace(libvirt_uri="test:///", state_dir=str(store / "state"))
+    )
+    service = migrations.MigrationService.__new__(migrations.MigrationService)
+    service.host, service.conf, service.options, service.links = "A", conf, OPTS, {}
+    service.links_file = store / "state" / "links.json"
+    service.rdma = False
+    service.samples = migrations.inventory.SampleCache()
+    memory_file = str(store / "libvirt" / "qemu" / "vm1.ram") if guest.file_backed else None
+    service.ram_mapping = lambda vm, ram: (memory_file, guest.resident_mib * MIB)
+    dest_agent = FakeAgent({"free_for_vms_bytes": dest_free_mib * MIB, "store_free_bytes": 8 << 30})
+    dest = migrations.Destination(dest_agent, "qemu+tcp://b/system", "tcp://b")  # type: ignore[arg-type]
+    return service.plan(MigrationRequest(vm="vm1", **asked), dest)
+
+
+def _nova_plan(guest: Guest, dest_free_mib: int, store, split_reserved: bool, **asked):
+    dom = FakeDomain(guest)
+    offer = DestinationOffer(
+        agent_address="10.250.0.2",
+        agent_port=9797,
+        scope="migration/m1/vm1/1900000000",
+        scoped_key="ab" * 32,
+        free_for_vms_bytes=dest_free_mib * MIB,
+        store_free_bytes=8 << 30,
+        split_budget_bytes=(dest_free_mib - 160) * MIB if split_reserved else None,
+    )
+    conf = types.SimpleNamespace(
+        libvirt=types.SimpleNamespace(
+            live_migration_bandwidth=asked.get("bandwidth_mib", 0),
+            live_migration_parallel_connections=asked.get("parallel", 1),
+        ),
+        flexmig=types.SimpleNamespace(agent_timeout=10.0, agent_ca_file=None),
+    )
+    local = FakeAgent({"store_fs_type": facts.filesystem_of(str(store))})
+    return planning.plan(
+        FakeConnection(dom),
+        dom,
+        "A",
+        offer,
+        conf,
+        OPTS,
+        local,
+        RuntimeError,  # type: ignore[arg-type]
+    )
+
+
+class _context:
+    def __init__(self, value):
+        self.value = value
+
+    def __enter__(self):
+        return self.value
+
+    def __exit__(self, *exc):
+        return False
+
+
+HOT = {1: 400.0, 2: 350.0}
+
+
+@pytest.mark.parametrize(
+    ("guest", "dest_free_mib", "mode"),
+    [
+        (Guest(), 4096, "precopy"),
+        (Guest(file_backed=False, dirty_mib_per_s=HOT), 4096, "postcopy"),
+        # file-backed on this disk filesystem: userfaultfd cannot serve it, on both paths
+        (Guest(dirty_mib_per_s=HOT), 4096, "precopy"),
+        (Guest(), 400, "split"),
+    ],
+)
+@pytest.mark.parametrize("asked", [{}, {"bandwidth_mib": 64, "parallel": 4}])
+def test_both_paths_plan_the_same(tmp_path, monkeypatch, guest, dest_free_mib, mode, asked):
+    agent = _agent_plan(guest, dest_free_mib, tmp_path, monkeypatch, **asked)
+    nova = _nova_plan(guest, dest_free_mib, tmp_path, split_reserved=mode == "split", **asked)
+    assert agent.mode == mode, agent.explain()
+    assert agent.decision == nova.decision
+    assert (agent.transport, agent.parallel) == (nova.transport, nova.parallel)
+
+
+def test_both_paths_refuse_the_same_vm_with_the_same_reasons(tmp_path, monkeypatch):
+    anonymous = Guest(file_backed=False)
+    with pytest.raises(exceptions.PolicyRefused) as by_agent:
+        _agent_plan(anonymous, 400, tmp_path, monkeypatch)
+    with pytest.raises(exceptions.PolicyRefused) as by_nova:
+        _nova_plan(anonymous, 400, tmp_path, split_reserved=False)
+    assert by_agent.value.reasons[0] == by_nova.value.reasons[0]
+    assert "not file-backed" in by_agent.value.reasons[1]
