@@ -165,9 +165,9 @@ class FlowManager:
         self._flows: dict[FlowMatch, TrackedFlow] = {}
         self._by_id: dict[int, TrackedFlow] = {}
         self._next_id = 1
-        # Counters of flows no longer tracked, by match: (onloaded, offloaded).
-        # Bounded by the flows the bridge and the provider held when read.
-        self._restored: dict[FlowMatch, tuple[FlowCounters, FlowCounters]] = {}
+        # Counters of flows no longer tracked, by match: (in rules, other onloaded,
+        # offloaded).  Bounded by the flows the bridge and the provider held.
+        self._restored: dict[FlowMatch, tuple[FlowCounters, FlowCounters, FlowCounters]] = {}
 
     # -- membership -----------------------------------------------------------
     def get(self, match: FlowMatch) -> TrackedFlow | None:
@@ -205,9 +205,8 @@ class FlowManager:
             setup=setup,
         )
         self._next_id += 1
-        flow.restored_onloaded, flow.restored_offloaded = self._restored.pop(
-            match, (FlowCounters(), FlowCounters())
-        )
+        ruled, other, offloaded = self._restored.pop(match, (FlowCounters(),) * 3)
+        flow.restored_onloaded, flow.restored_offloaded = ruled + other, offloaded
         self._flows[match] = flow
         self._by_id[flow.flow_id] = flow
         return flow
@@ -217,17 +216,27 @@ class FlowManager:
         match: FlowMatch,
         onloaded: FlowCounters | None = None,
         offloaded: FlowCounters | None = None,
+        ruled: FlowCounters | None = None,
     ) -> None:
         """Counters an earlier run (or connection) counted for a flow not tracked
         now: added to what the flow counts when it is seen again, so its counters
-        go on from there instead of starting over."""
-        was_on, was_off = self._restored.get(match, (FlowCounters(), FlowCounters()))
+        go on from there instead of starting over.
+
+        ``ruled`` is what the flow's bridge rules held (first packet, counting
+        rule, flow rule), known twice when a connection drops: from this run's
+        last poll and, if the rules survived, read back from them (later, so
+        larger).  The larger is kept, never both.
+        """
+        was_ruled, was_on, was_off = self._restored.get(match, (FlowCounters(),) * 3)
+        if ruled is not None and ruled.packets > was_ruled.packets:
+            was_ruled = ruled
         self._restored[match] = (
+            was_ruled,
             was_on + (onloaded or FlowCounters()),
             was_off + (offloaded or FlowCounters()),
         )
 
-    def restored(self) -> dict[FlowMatch, tuple[FlowCounters, FlowCounters]]:
+    def restored(self) -> dict[FlowMatch, tuple[FlowCounters, FlowCounters, FlowCounters]]:
         return dict(self._restored)
 
     def forget(self, match: FlowMatch) -> TrackedFlow | None:

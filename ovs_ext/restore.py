@@ -20,15 +20,15 @@ from typing import Any
 
 from ovs_ext import flows, openflow
 from ovs_ext.flows import FlowManager, TrackedFlow
-from ovs_ext.providers.base import FlowCounters
+from ovs_ext.providers.base import FlowCounters, FlowMatch
 
 
 def from_rules(
     manager: FlowManager, stats: Iterable[Any], port_name: Callable[[int], str | None]
 ) -> int:
-    """Restore from a flow-stats reply of the rules the app owns; returns how many
-    rules counted for a flow (discovery and table-miss rules count for none)."""
-    restored = 0
+    """Restore from a flow-stats reply of the rules the app owns; returns for how
+    many flows (discovery and table-miss rules count for none)."""
+    ruled: dict[FlowMatch, FlowCounters] = {}
     for stat in stats:
         is_flow_rule = flows.cookie_flow_id(stat.cookie) is not None
         if not is_flow_rule and not flows.is_counting_cookie(stat.cookie):
@@ -39,18 +39,21 @@ def from_rules(
         counted = FlowCounters(stat.packet_count, stat.byte_count)
         if is_flow_rule:
             counted = counted + openflow.first_packet(stat.instructions)
-        manager.restore(match, onloaded=counted)
-        restored += 1
-    return restored
+        ruled[match] = ruled.get(match, FlowCounters()) + counted
+    for match, counted in ruled.items():
+        manager.restore(match, ruled=counted)
+    return len(ruled)
 
 
 def from_forgotten(manager: FlowManager, gone: Iterable[TrackedFlow]) -> None:
-    """What the rules do not hold of flows this run forgets: offloaded counters
-    (the provider's final ones, taken when the flows were onloaded) and the
-    counters carried from earlier hosts or runs."""
+    """Flows this run forgets: their offloaded counters (the provider's final
+    ones, taken when the flows were onloaded), the counters carried from earlier
+    hosts or runs, and their rules' part as last polled (a reconnection may have
+    flushed the rules: OVS flushes a bridge's flows when its controllers go)."""
     for flow in gone:
         manager.restore(
             flow.match,
+            ruled=flow.packet_in + flow.learned + flow.rule,
             onloaded=flow.carried_onloaded + flow.restored_onloaded,
             offloaded=flow.offloaded_counters,
         )

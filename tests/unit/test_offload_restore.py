@@ -36,7 +36,7 @@ def test_a_flow_seen_again_goes_on_from_its_rules_and_first_packet():
         stat(flows.discovery_cookie(3), 99, 9900),  # shared by every flow: not this one's
     ]
     manager = FlowManager()
-    assert restore.from_rules(manager, found, PORTS.get) == 2
+    assert restore.from_rules(manager, found, PORTS.get) == 1
     flow = seen_again(manager)
     flow.packet_in = FlowCounters(1, 60)
     assert flow.total == FlowCounters(16, 960)
@@ -49,7 +49,7 @@ def test_rules_of_unknown_ports_restore_nothing():
     assert seen_again(manager).total == FlowCounters()
 
 
-def test_forgotten_flows_keep_what_no_rule_holds():
+def test_forgotten_flows_keep_their_counters_and_rules_read_back_replace_their_polled_part():
     manager = FlowManager()
     flow = seen_again(manager)
     flow.packet_in, flow.rule = FlowCounters(1, 60), FlowCounters(5, 300)  # in the rules
@@ -57,6 +57,19 @@ def test_forgotten_flows_keep_what_no_rule_holds():
     manager.forget(MATCH)
     restore.from_forgotten(manager, [flow])
     manager.restore(MATCH, offloaded=FlowCounters(3, 180))  # a pinned entry, too
+    # The rules survived the reconnection and counted 2 more since the last poll.
+    rule = openflow.flow_rule(parser, ofp, flows.flow_cookie(1), 3, MATCH, 60)
+    restore.from_rules(manager, [stat(flows.flow_cookie(1), 7, 420, rule.instructions)], PORTS.get)
     again = seen_again(manager)
-    assert again.onloaded_counters == FlowCounters(2, 120)
+    assert again.onloaded_counters == FlowCounters(2 + 8, 120 + 480)
     assert again.offloaded_counters == FlowCounters(10, 600)
+
+
+def test_rules_flushed_by_the_reconnection_leave_the_polled_part():
+    manager = FlowManager()
+    flow = seen_again(manager)
+    flow.packet_in, flow.learned = FlowCounters(1, 60), FlowCounters(4, 240)
+    manager.forget(MATCH)
+    restore.from_forgotten(manager, [flow])
+    restore.from_rules(manager, [], PORTS.get)
+    assert seen_again(manager).total == FlowCounters(5, 300)
