@@ -37,7 +37,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from flexmig import exceptions, migrate_cli, processutil
+import libvirt
+
+from flexmig import exceptions, hypervisor, migrate_cli, processutil
 from flexmig_lab import fabric, vm
 from flexmig_lab.lab import CGROUP_ROOT, Lab
 
@@ -65,6 +67,7 @@ FAULTS = (
 )  # fmt: skip
 POINTS = ("round", "postcopy-switch", "switchover")
 PHASE_TIMEOUT_S = 120.0
+SETTLE_TIMEOUT_S = 180.0
 AGENT_STATE_DIR = "/run/flexmig"  # the agents' state_dir inside a lab host
 
 
@@ -195,8 +198,15 @@ class Campaign:
         dst = "B" if src == "A" else "A"
         self.budget(dst, SPLIT_BUDGET_MB if cell.mode == "split" else FULL_BUDGET_MB)
         request = dict(mode=cell.mode, transport=cell.transport, bandwidth_mib=BANDWIDTH_MIB)
-        _, agent, mid = migrate_cli.start(self.lab, name, dst, **request)
-        injected = self.wait_point(agent, mid, cell.point)
+        try:
+            _, agent, mid = migrate_cli.start(self.lab, name, dst, **request)
+        except exceptions.FlexMigError as exc:
+            self.budget(dst, FULL_BUDGET_MB)
+            return self.check(name, {"state": "refused", "error": str(exc)}, src, dst, False)
+        try:
+            injected = self.wait_point(agent, mid, cell.point)
+        except exceptions.Timeout:
+            injected = False
         if injected:
             self.inject(cell.fault, src, dst)
         record = self.follow(src, mid)
@@ -265,8 +275,7 @@ class Campaign:
 
     def check(self, name: str, record: dict[str, Any], src: str, dst: str,
               injected: bool) -> dict[str, Any]:  # fmt: skip
-        time.sleep(2.0)  # libvirt's and the agents' own clean-up after the end
-        running = self.running_on(name)
+        running = self.settled(name)
         run: dict[str, Any] = {
             "state": record.get("state"),
             "error": record.get("error") or ("" if injected else "ended before the fault"),
@@ -285,20 +294,46 @@ class Campaign:
         run["bad"], run["lost"] = check["bad"], check["lost"]
         run["leftovers"] = self.leftovers(name, running[0])
         back = dst if running[0] == src else src
-        result = migrate_cli.migrate(self.lab, name, back, show=False)
+        try:
+            result = migrate_cli.migrate(self.lab, name, back, show=False)
+        except exceptions.FlexMigError as exc:
+            run["error"] = f"{run['error']}; next migration: {exc}".lstrip("; ")
+            return run
         run["next_ok"] = result["state"] == "completed" and result["verify"]["bad"] == 0
+        if not run["next_ok"]:
+            run["error"] = f"{run['error']}; next migration: {result['error']}".lstrip("; ")
         return run
 
-    def running_on(self, name: str) -> list[str]:
-        from flexmig import hypervisor
+    def settled(self, name: str) -> list[str]:
+        """The hosts running the VM once no libvirt job on it is left (a job that
+        outlived its agent, a paused postcopy awaiting recovery), or as they are
+        after SETTLE_TIMEOUT_S: a VM paused on both hosts then counts as lost."""
+        seen: list[str] = []
 
-        found = []
+        def quiet() -> bool:
+            nonlocal seen
+            seen, busy = self.running_on(name)
+            return len(seen) == 1 and not busy
+
+        try:
+            processutil.wait_for(quiet, timeout=SETTLE_TIMEOUT_S, interval=1.0, what="settle")
+        except exceptions.Timeout:
+            pass
+        return seen
+
+    def running_on(self, name: str) -> tuple[list[str], bool]:
+        """(hosts where the domain is active, whether any has a job running)."""
+        found, busy = [], False
         for host in self.lab.hosts():
-            with hypervisor.connect(host.local_uri, host.name) as conn:
-                dom = hypervisor.find_domain(conn, name)
-                if dom is not None and dom.isActive():
-                    found.append(host.name)
-        return found
+            try:
+                with hypervisor.connect(host.local_uri, host.name) as conn:
+                    dom = hypervisor.find_domain(conn, name)
+                    if dom is not None and dom.isActive():
+                        found.append(host.name)
+                        busy = busy or dom.jobInfo()[0] != libvirt.VIR_DOMAIN_JOB_NONE
+            except (exceptions.FlexMigError, libvirt.libvirtError):
+                busy = True  # its libvirtd is (re)starting
+        return found, busy
 
     def leftovers(self, name: str, where: str) -> list[str]:
         found = []
