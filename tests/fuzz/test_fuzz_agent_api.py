@@ -249,59 +249,23 @@ REQUESTS = st.fixed_dictionaries(
 )  # fmt: skip
 
 
+def _req(**changed):
+    """A request of the REQUESTS shape, for the regression examples."""
+    base = {"method": "GET", "route": 0, "path_junk": None, "body": b"", "signing": "valid",
+            "part": "body", "junk": "", "fuzzed": {}, "length": None}  # fmt: skip
+    return base | changed
+
+
 @given(REQUESTS)
-@example(
-    {
-        "method": "POST",
-        "route": 3,
-        "path_junk": None,
-        "body": b'{"vm": "a"}',
-        "signing": "valid",
-        "part": "body",
-        "junk": "",
-        "fuzzed": {},
-        "length": None,
-    }
-)
-@example(
-    {
-        "method": "POST",
-        "route": 3,
-        "path_junk": None,
-        "body": b"[1]",
-        "signing": "valid",
-        "part": "body",
-        "junk": "",
-        "fuzzed": {},
-        "length": None,
-    }
-)
-@example(
-    {
-        "method": "GET",
-        "route": 0,
-        "path_junk": None,
-        "body": b"",
-        "signing": "tampered",
-        "part": "ts",
-        "junk": "nan",
-        "fuzzed": {},
-        "length": None,
-    }
-)
-@example(
-    {
-        "method": "POST",
-        "route": 3,
-        "path_junk": None,
-        "body": b"\xff\xfe",
-        "signing": "valid",
-        "part": "body",
-        "junk": "",
-        "fuzzed": {},
-        "length": "1",
-    }
-)
+@example(_req(method="POST", route=3, body=b'{"vm": "a"}'))
+@example(_req(method="POST", route=3, body=b"[1]"))
+@example(_req(method="POST", route=3, body=b"\xff\xfe", length="1"))
+@example(_req(signing="tampered", part="ts", junk="nan"))
+# Found by the campaign (harness, not agent): a tampered body cut back to the
+# signed one by Content-Length, and a path tampered with a space that
+# http.server's request-line split removes, are correctly signed requests.
+@example(_req(signing="tampered", part="body", length="0"))
+@example(_req(signing="tampered", part="path", junk=" "))
 def test_any_request_is_answered_and_a_refused_one_changes_nothing(served, req):  # fmt: skip
     agent, sock_path, tmp, reached = served
     paths = concrete_paths(agent.router)
@@ -324,11 +288,11 @@ def test_any_request_is_answered_and_a_refused_one_changes_nothing(served, req):
     if status >= 400:
         assert agent_state(agent, tmp) == before, (status, reply)
     read = _read_by_agent(req["length"], body)
-    if (
-        method not in ("GET", "POST")
-        or read is None
-        or not _signed_right(method, path, headers, read)
-    ):
+    # http.server splits the request line on whitespace: the method and path it
+    # routes (and the agent verifies) are the first two words, if there are three.
+    words = f"{method} {path} HTTP/1.1".split()
+    signed = len(words) == 3 and read is not None and _signed_right(*words[:2], headers, read)
+    if words[0] not in ("GET", "POST") or not signed:
         # Unsigned, tampered, or the body the agent reads is not the one signed.
         assert not reached, (signing, status, reply)
         assert status in (400, 401, 501), (status, reply)
