@@ -149,27 +149,55 @@ function _flexmig_check_names {
     done
 }
 
-# flexmig-offload replaces its bridge's OpenFlow controllers and sets
-# fail-mode standalone: on the bridge Neutron's agent (ML2/OVS) or
-# ovn-controller manages, that would cut their connection, and without a
-# controller a standalone bridge switches everything (past the security groups).
+function _flexmig_neutron_ovs_agent {
+    is_service_enabled q-agt || is_service_enabled neutron-agent
+}
+
+# FLEXMIG_OFFLOAD_PIPELINE, or what this node runs: Neutron's OVS agent means neutron.
+function _flexmig_offload_pipeline {
+    if [[ -n $FLEXMIG_OFFLOAD_PIPELINE ]]; then
+        echo "$FLEXMIG_OFFLOAD_PIPELINE"
+    elif _flexmig_neutron_ovs_agent; then
+        echo neutron
+    else
+        echo standalone
+    fi
+}
+
+# Standalone, flexmig-offload replaces its bridge's OpenFlow controllers and
+# sets fail-mode standalone: on the bridge Neutron's agent (ML2/OVS) manages
+# that would cut Neutron's connection and switch past the security groups, so
+# there it must run in the neutron pipeline.  ovn-controller's pipeline is not
+# Neutron's OVS agent's: neither mode runs on its bridge.
 function _flexmig_check_offload_bridge {
+    local pipeline
+    pipeline=$(_flexmig_offload_pipeline)
+    if [[ $pipeline != standalone && $pipeline != neutron ]]; then
+        _flexmig_bad "FLEXMIG_OFFLOAD_PIPELINE='$pipeline': must be standalone or neutron"
+        return 0
+    fi
+    if [[ $pipeline == neutron ]] && ! _flexmig_neutron_ovs_agent; then
+        _flexmig_bad "FLEXMIG_OFFLOAD_PIPELINE=neutron needs Neutron's OVS agent" \
+            "(q-agt or neutron-agent) on this node: its FlexMig extension writes the" \
+            "port facts flexmig-offload offloads by"
+    fi
     if [[ $FLEXMIG_OFFLOAD_CONFIGURE_BRIDGE != True ]]; then
         return 0
     fi
     if [[ $FLEXMIG_OFFLOAD_BRIDGE != br-int && $FLEXMIG_OFFLOAD_BRIDGE != "${OVS_BRIDGE:-br-int}" ]]; then
         return 0
     fi
-    local agent
-    for agent in q-agt neutron-agent ovn-controller; do
-        if is_service_enabled $agent; then
-            _flexmig_bad "flexmig-offload would take over $FLEXMIG_OFFLOAD_BRIDGE, which $agent" \
-                "manages (it replaces the bridge's controllers, fail-mode standalone): give it" \
-                "another FLEXMIG_OFFLOAD_BRIDGE, or set FLEXMIG_OFFLOAD_CONFIGURE_BRIDGE=False" \
-                "and connect the bridge yourself, or disable_service flexmig-offload"
-            return 0
-        fi
-    done
+    if is_service_enabled ovn-controller; then
+        _flexmig_bad "flexmig-offload cannot run on $FLEXMIG_OFFLOAD_BRIDGE, which" \
+            "ovn-controller manages: give it another FLEXMIG_OFFLOAD_BRIDGE, or set" \
+            "FLEXMIG_OFFLOAD_CONFIGURE_BRIDGE=False and connect the bridge yourself, or" \
+            "disable_service flexmig-offload"
+    elif [[ $pipeline == standalone ]] && _flexmig_neutron_ovs_agent; then
+        _flexmig_bad "flexmig-offload would take over $FLEXMIG_OFFLOAD_BRIDGE, which" \
+            "Neutron's OVS agent manages (standalone, it replaces the bridge's" \
+            "controllers): set FLEXMIG_OFFLOAD_PIPELINE=neutron (the default with" \
+            "the agent), or give it another FLEXMIG_OFFLOAD_BRIDGE"
+    fi
 }
 
 function _flexmig_check_key {
@@ -195,6 +223,19 @@ function _flexmig_check_key {
         _flexmig_bad "no agent key: set FLEXMIG_AGENT_KEY or FLEXMIG_AGENT_KEY_SOURCE" \
             "(the same on every node) or FLEXMIG_AGENT_KEY_GENERATE=True (single node)"
     fi
+}
+
+function _flexmig_check_tls {
+    case ${FLEXMIG_AGENT_TLS:-auto} in
+        True | true | yes | 1)
+            if ! is_service_enabled tls-proxy; then
+                _flexmig_bad "FLEXMIG_AGENT_TLS=$FLEXMIG_AGENT_TLS needs DevStack's CA:" \
+                    "enable_service tls-proxy"
+            fi
+            ;;
+        auto | False | false | no | 0) ;;
+        *) _flexmig_bad "FLEXMIG_AGENT_TLS='$FLEXMIG_AGENT_TLS': True, False or empty" ;;
+    esac
 }
 
 # What split mode would overwrite on this host must be ours or absent.
@@ -223,6 +264,7 @@ function flexmig_check_settings {
     _flexmig_check_numbers
     _flexmig_check_names
     _flexmig_check_key
+    _flexmig_check_tls
     if is_service_enabled flexmig-offload; then
         if [[ ! -f $FLEXMIG_OFFLOAD_POLICY_SOURCE ]]; then
             _flexmig_bad "FLEXMIG_OFFLOAD_POLICY_SOURCE='$FLEXMIG_OFFLOAD_POLICY_SOURCE': no such file"
@@ -329,6 +371,33 @@ function _flexmig_configure_agent {
     # Nova drives every live migration here: the agents' own orchestration
     # routes would let any holder of the shared key move VMs behind its back.
     iniset "$FLEXMIG_AGENT_CONF" agent allow_orchestration "$FLEXMIG_AGENT_ALLOW_ORCHESTRATION"
+    if _flexmig_agent_tls; then
+        _flexmig_configure_agent_tls
+    fi
+}
+
+# FLEXMIG_AGENT_TLS, or whether DevStack runs its CA (tls-proxy).
+function _flexmig_agent_tls {
+    case ${FLEXMIG_AGENT_TLS:-auto} in
+        True | true | yes | 1) return 0 ;;
+        auto) is_service_enabled tls-proxy ;;
+        *) return 1 ;;
+    esac
+}
+
+# The agent's certificate from DevStack's intermediate CA (lib/tls make_cert),
+# for the address nova-compute and peer agents reach it at, served with the
+# intermediate; the CA bundle verifies peers.  make_cert keeps an existing
+# certificate, so a second run changes nothing.
+function _flexmig_configure_agent_tls {
+    local address=$FLEXMIG_AGENT_LISTEN_ADDRESS
+    make_cert "$INT_CA_DIR" flexmig-agent "$address" "IP:$address"
+    local cert=$FLEXMIG_CONF_DIR/agent-tls.crt key=$FLEXMIG_CONF_DIR/agent-tls.key
+    cat "$INT_CA_DIR/flexmig-agent.crt" "$INT_CA_DIR/cacert.pem" >"$cert"
+    sudo install -m 0600 -o "$FLEXMIG_AGENT_USER" "$INT_CA_DIR/private/flexmig-agent.key" "$key"
+    iniset "$FLEXMIG_AGENT_CONF" agent tls_cert_file "$cert"
+    iniset "$FLEXMIG_AGENT_CONF" agent tls_key_file "$key"
+    iniset "$FLEXMIG_AGENT_CONF" agent tls_ca_file "$SSL_BUNDLE_FILE"
 }
 
 function _flexmig_configure_nova {
@@ -336,6 +405,11 @@ function _flexmig_configure_nova {
     iniset "$NOVA_CONF" flexmig agent_port "$FLEXMIG_AGENT_PORT"
     iniset "$NOVA_CONF" flexmig agent_key_file "$FLEXMIG_AGENT_KEY_FILE"
     iniset "$NOVA_CONF" flexmig agent_timeout "$FLEXMIG_AGENT_TIMEOUT"
+    if _flexmig_agent_tls; then
+        iniset "$NOVA_CONF" flexmig agent_ca_file "$SSL_BUNDLE_FILE"
+    else
+        inidelete "$NOVA_CONF" flexmig agent_ca_file
+    fi
     iniset "$NOVA_CONF" migration max_downtime_ms "$FLEXMIG_MAX_DOWNTIME_MS"
     iniset "$NOVA_CONF" migration allowed_modes "$FLEXMIG_ALLOWED_MODES"
     if _flexmig_mode_allowed split; then
@@ -419,6 +493,29 @@ function _flexmig_configure_offload {
     iniset "$FLEXMIG_OFFLOAD_CONF" offload status_file "$FLEXMIG_STATE_DIR/offload-status.json"
     # The agent moves migrating VMs' flows through the control interface (same key).
     iniset "$FLEXMIG_OFFLOAD_CONF" offload control_key_file "$FLEXMIG_AGENT_KEY_FILE"
+    iniset "$FLEXMIG_OFFLOAD_CONF" offload pipeline "$(_flexmig_offload_pipeline)"
+    if [[ $(_flexmig_offload_pipeline) == neutron ]]; then
+        _flexmig_configure_neutron_agent
+    fi
+}
+
+# Neutron's OVS agent loads FlexMig's L2 agent extension, which writes the port
+# facts (port security, network, QoS policy) flexmig-offload reads; the agent
+# runs as the stack user.  The plugin's post-config runs before the agent starts.
+function _flexmig_configure_neutron_agent {
+    local agent_conf=${NEUTRON_CORE_PLUGIN_CONF:-}
+    if [[ -z $agent_conf ]]; then
+        die $LINENO "FlexMig: NEUTRON_CORE_PLUGIN_CONF is not set: is Neutron configured?"
+    fi
+    _flexmig_make_dir "$(dirname "$FLEXMIG_OFFLOAD_NEUTRON_PORTS_FILE")" "$STACK_USER"
+    iniset "$FLEXMIG_OFFLOAD_CONF" offload neutron_ports_file "$FLEXMIG_OFFLOAD_NEUTRON_PORTS_FILE"
+    local extensions
+    extensions=$(iniget "$agent_conf" agent extensions)
+    if [[ ! ,$extensions, =~ ,flexmig_offload, ]]; then
+        extensions=${extensions:+$extensions,}flexmig_offload
+    fi
+    iniset "$agent_conf" agent extensions "$extensions"
+    iniset "$agent_conf" flexmig_offload ports_file "$FLEXMIG_OFFLOAD_NEUTRON_PORTS_FILE"
 }
 
 function configure_flexmig {

@@ -223,8 +223,9 @@ def _print_summary(result: dict[str, object]) -> None:
         "total time": f"{result.get('total_time_ms')} ms "
         f"(predicted {result.get('predicted_total_ms')} ms)",
         "guest-observed downtime": f"{result.get('guest_observed_downtime_ms')} ms "
-        f"(libvirt: {result.get('downtime_ms')} ms, "
-        f"predicted {result.get('predicted_downtime_ms')} ms)",
+        f"(QEMU's: {result.get('downtime_ms')} ms; predicted "
+        f"{result.get('predicted_guest_downtime_ms')} ms for the guest, "
+        f"{result.get('predicted_downtime_ms')} ms QEMU's)",
         "bytes moved": f"{(result.get('bytes_moved') or 0) / 2**20:.1f} MiB",
         "rounds": f"{result.get('rounds')} (predicted {result.get('predicted_rounds')})",
         "verify": f"{check.get('bad')} bad, {check.get('lost')} lost of {check.get('pages')} "
@@ -232,6 +233,11 @@ def _print_summary(result: dict[str, object]) -> None:
         if check
         else "not run (no probe inside this inventory's guests, or the VM is not running)",
     }
+    if result.get("downtime_exceeded_ms") is not None:
+        rows["downtime budget"] = (
+            f"EXCEEDED by {result['downtime_exceeded_ms']} ms "
+            f"(budget {result.get('downtime_budget_ms')} ms)"
+        )
     if result.get("guest_observed_downtime_ms") is None:
         rows["guest-observed downtime"] = (
             f"not measured (libvirt: {result.get('downtime_ms')} ms, "
@@ -245,9 +251,9 @@ def _parallel_connections(text: str) -> int:
         value = int(text)
     except ValueError:
         value = 0
-    if not 1 <= value <= MAX_PARALLEL:
+    if not 0 <= value <= MAX_PARALLEL or not text.strip().isdigit():
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a number of connections in 1..{MAX_PARALLEL}"
+            f"{text!r} is not a number of connections in 0..{MAX_PARALLEL} (0: the plan's)"
         )
     return value
 
@@ -280,10 +286,11 @@ def _add_migration_parsers(sub: argparse._SubParsersAction) -> None:  # type: ig
             p.add_argument(
                 "--parallel",
                 type=_parallel_connections,
-                default=1,
+                default=0,
                 metavar="N",
-                help="parallel connections (libvirt/QEMU multifd, precopy only), each its "
-                "own mover stream with --transport mover; 1..8, default 1",
+                help="parallel connections (libvirt/QEMU multifd), each its own mover "
+                "stream with --transport mover; 1..8, default 0: the plan chooses "
+                "(see flexmig explain)",
             )
         p.add_argument("--json", action="store_true")
         p.set_defaults(func=func)

@@ -12,6 +12,7 @@ import time
 from typing import Any, Protocol
 
 from flexmig import exceptions
+from flexmig.migration import downtime
 from flexmig.migration.request import MigrationRequest
 from flexmig.progress import MigrationProgress
 
@@ -105,6 +106,17 @@ def migrate(lab: Inventory, name: str, to: str, show: bool = True, **asked: Any)
         guest.wait_heartbeat(host=landed)
         beats = guest.heartbeat(since_ns=start_ns)
         result["guest_observed_downtime_ms"] = round(beats.longest_gap_ms, 1)
+        budget = result.get("downtime_budget_ms")
+        if budget:
+            # Never silent: the summary says by how much the guest's budget went.
+            result["downtime_exceeded_ms"] = downtime.excess(budget, beats.longest_gap_ms)
+            parts = dict(result.get("downtime_parts_ms") or {})
+            qemu = parts.get("qemu_downtime_ms")
+            parts["guest_ms"] = round(beats.longest_gap_ms, 1)
+            parts["beyond_qemu_ms"] = (
+                round(beats.longest_gap_ms - qemu, 1) if qemu is not None else None
+            )
+            result["downtime_parts_ms"] = parts
         result["guest_switchover_gap_ms"] = round(beats.switchover_gap_ms, 1)
         result["guest_longest_gap_at_ms"] = round((beats.gap_start_ns - start_ns) / 1e6)
         result["heartbeat_hosts"] = "->".join(beats.hosts)

@@ -41,6 +41,7 @@ from oslo_log import log as logging
 from agents.agent import auth, movers
 from agents.agent.client import AgentClient
 from flexmig import exceptions
+from flexmig.migration import knobs
 from flexmig.migration import options as migration_options
 from flexmig.migration.planner import Plan
 from flexmig.policy.decision import split_budget
@@ -93,8 +94,30 @@ class PlannedGuest:
             kwargs["migrate_uri"] = self._migrate_uri
         if self._plan.mode == "split" and kwargs.get("destination_xml"):
             kwargs["destination_xml"] = planning.split_destination_xml(kwargs["destination_xml"])
-        LOG.debug("FlexMig: migrating with libvirt flags %#x", kwargs["flags"])
-        self._guest.migrate(destination, **kwargs)
+        # Nova's Guest.migrate builds the typed parameters it knows (and keeps
+        # its quirk handling); the plan's other knobs join them on the way out.
+        extra = {
+            k: v for k, v in self._plan.params().items() if k != knobs.PARAM_PARALLEL_CONNECTIONS
+        }
+        guest = self._guest
+        if extra:
+            guest = type(guest)(PlannedDomain(guest._domain, extra))
+        LOG.debug("FlexMig: migrating with libvirt flags %#x, %s", kwargs["flags"], extra)
+        guest.migrate(destination, **kwargs)
+
+
+class PlannedDomain:
+    """A libvirt domain whose migrateToURI3 adds the plan's typed parameters."""
+
+    def __init__(self, domain: Any, extra: dict[str, object]) -> None:
+        self._domain = domain
+        self._extra = extra
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._domain, name)
+
+    def migrateToURI3(self, dconnuri: str, params: dict[str, object], flags: int = 0) -> Any:
+        return self._domain.migrateToURI3(dconnuri, params=params | self._extra, flags=flags)
 
 
 class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
@@ -380,20 +403,22 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         """Before the job (so before switchover): the local agent demotes the VM's
         offloaded flows and hands their records to the destination's agent."""
         migration = getattr(migrate_data, "migration", None)
-        body = {
-            "migration_id": str(getattr(migration, "uuid", None) or instance.uuid),
-            "vm": instance.name,
-            "dest": {"address": offer.agent_address, "port": offer.agent_port},
-        }
         try:
-            reply = self._local_agent().post("/v1/offload/depart", body)
+            facts = planning.destination_agent(
+                offer, CONF.flexmig.agent_timeout, CONF.flexmig.agent_ca_file
+            ).get("/v1/facts")
+            ends = {
+                "migration_id": str(getattr(migration, "uuid", None) or instance.uuid),
+                "dest": planning.peer_endpoint(offer, facts),
+            }
+            reply = self._local_agent().post("/v1/offload/depart", ends | {"vm": instance.name})
         except exceptions.FlexMigError as exc:
             LOG.warning("FlexMig: offloaded flows stay put: %s", exc, instance=instance)
             return
         for text in reply.get("events", []):
             LOG.info("FlexMig %s", text, instance=instance)
         if reply.get("handled"):
-            self._flexmig_flows[instance.uuid] = body
+            self._flexmig_flows[instance.uuid] = ends
 
     def _offload_end(self, instance: Any, failure: str | None) -> None:
         """Success: final counters to the destination, forgotten here.  Failure:

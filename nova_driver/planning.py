@@ -17,6 +17,7 @@ from agents.agent import auth
 from agents.agent.client import AgentClient
 from flexmig import exceptions
 from flexmig.migration import facts, planner
+from flexmig.migration.knobs import HostSoftware
 from flexmig.migration.options import EngineOptions
 from flexmig.migration.planner import Plan
 from flexmig.migration.request import MigrationRequest
@@ -58,6 +59,27 @@ def destination_agent(offer: DestinationOffer, timeout: float, ca_file: str | No
     )
 
 
+def peer_endpoint(offer: DestinationOffer, facts: dict[str, Any]) -> dict[str, Any]:
+    """Where this host's agent reaches the destination's: the address the
+    destination agent gives in its facts (its listen address), else the offer's.
+
+    The offer holds the address the destination's driver uses for its own
+    agent, which may be one only that host can use (a local UNIX socket).
+
+    >>> offer = DestinationOffer("/run/flexmig/agent.sock", 0, "s", "k", 1, 1, None)
+    >>> peer_endpoint(offer, {"agent": {"address": "10.0.0.2", "port": 9797}})
+    {'address': '10.0.0.2', 'port': 9797}
+    >>> peer_endpoint(offer, {})
+    {'address': '/run/flexmig/agent.sock', 'port': 0}
+    """
+    agent = facts.get("agent")
+    if isinstance(agent, dict) and isinstance(agent.get("address"), str):
+        port = agent.get("port")
+        if isinstance(port, int) and not isinstance(port, bool) and 0 < port < 65536:
+            return {"address": agent["address"], "port": port}
+    return {"address": offer.agent_address, "port": offer.agent_port}
+
+
 def request_for(
     dom: Any, offer: DestinationOffer, opts: EngineOptions, conf: Any
 ) -> MigrationRequest:
@@ -68,11 +90,14 @@ def request_for(
     transport = "mover" if offer.mover else opts.transport
     if transport == "mover" and not offer.mover:
         transport = "qemu-tcp"
+    # Nova's default (1) leaves the connections to the plan, as the agent API's
+    # default does; a larger value is the operator's choice.
+    asked = conf.libvirt.live_migration_parallel_connections
     return MigrationRequest(
         vm=dom.name(),
         bandwidth_mib=conf.libvirt.live_migration_bandwidth or 0,
         transport=transport,
-        parallel=conf.libvirt.live_migration_parallel_connections,
+        parallel=asked if asked > 1 else 0,
     )
 
 
@@ -100,16 +125,31 @@ def plan(
         raise exceptions.HypervisorError(
             host=host, action=f"read {request.vm}'s facts", reason=str(exc)
         ) from exc
+    agent = destination_agent(offer, conf.flexmig.agent_timeout, conf.flexmig.agent_ca_file)
     fabric = None
     if opts.bandwidth_probe_mib:
-        agent = destination_agent(offer, conf.flexmig.agent_timeout, conf.flexmig.agent_ca_file)
         fabric = agent.probe_bandwidth(opts.bandwidth_probe_mib)
     dest = planner.DestinationFacts(
         free_for_vms_bytes=offer.free_for_vms_bytes,
         store_free_bytes=offer.store_free_bytes,
         split_reserved=offer.split_budget_bytes is not None,
+        software=_destination_software(agent),
     )
-    return planner.plan(request, vm, dest, planner.LinkFacts(fabric_bps=fabric), opts)
+    try:
+        source = planner.SourceFacts(facts.host_software(conn, host), facts.idle_cpus())
+    except (exceptions.HypervisorError, libvirt_error):
+        source = planner.SourceFacts(idle_cpus=facts.idle_cpus())
+    link = planner.LinkFacts(fabric_bps=fabric)
+    return planner.plan(request, vm, dest, link, opts, source=source)
+
+
+def _destination_software(agent: AgentClient) -> HostSoftware:
+    """The destination's libvirt and QEMU (unknown when its agent cannot say: the
+    knobs that need both ends are then left out, and explain says why)."""
+    try:
+        return HostSoftware.from_facts(agent.get("/v1/facts"))
+    except exceptions.FlexMigError:
+        return HostSoftware()
 
 
 def scoped_credential(key: bytes, migration_id: str, vm: str, expires: float) -> tuple[str, str]:

@@ -28,7 +28,7 @@ from os_ken.controller.handler import CONFIG_DISPATCHER, MAIN_DISPATCHER, set_ev
 from os_ken.lib import hub
 from os_ken.ofproto import ofproto_v1_3
 
-from ovs_ext import flows, openflow, restore
+from ovs_ext import flows, neutron, openflow, restore
 from ovs_ext.control import OffloadControl
 from ovs_ext.providers.base import FlowCounters, FlowMatch, OffloadError
 
@@ -52,6 +52,8 @@ class Runtime:
     stopping: threading.Event = dataclasses.field(default_factory=threading.Event)
     connected: threading.Event = dataclasses.field(default_factory=threading.Event)
     app: OffloadApp | None = None
+    # Beside Neutron's agent (ovs_ext/neutron.py); None: the app owns the bridge.
+    pipeline: neutron.NeutronPipeline | None = None
 
 
 class OffloadApp(app_manager.OSKenApp):
@@ -68,6 +70,8 @@ class OffloadApp(app_manager.OSKenApp):
         self._stats_parts: dict[int, FlowCounters] = {}
         self._learned_parts: dict[FlowMatch, FlowCounters] = {}
         self._stats_sent_at: float | None = None
+        self._handoffs_seen: set[int] = set()
+        self.watched: dict[str, int] = {}
         self._barrier_done = threading.Event()
         # Whether packet-ins are judged yet: not until the datapath's cached flows
         # from before this connection are purged (see _switch_features).
@@ -116,6 +120,7 @@ class OffloadApp(app_manager.OSKenApp):
                 restore.from_forgotten(control.flows, control.port_removed(port))
         self.port_names.clear()
         self.port_numbers.clear()
+        self.watched.clear()
         self.mac_ports.clear()
         self._stats_sent_at = None
         self.judging = False
@@ -145,11 +150,14 @@ class OffloadApp(app_manager.OSKenApp):
             LOG.info("counters of %d rules of an earlier run or connection kept", found)
         dp = self.datapath
         self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto))
-        self.send(openflow.table_miss_rule(dp.ofproto_parser, dp.ofproto))
+        if self.rt.pipeline is None:
+            self.send(openflow.table_miss_rule(dp.ofproto_parser, dp.ofproto))
+        else:  # Neutron's table-0 rules switch what the app does not judge
+            self.send(self.rt.pipeline.set_controller_id(dp.ofproto_parser))
         self._rules_ready = True
-        for ofport, name in sorted(self.port_names.items()):
-            if self.rt.control.dispatchers.watches(name):
-                self._send_discovery(ofport)
+        for ofport in sorted(self.watched.values()):
+            for mod in self._port_rules(ofport):
+                self.send(mod)
         self._settle(self._purge_cached_flows)
 
     def _settle(self, then: Any) -> None:
@@ -205,24 +213,26 @@ class OffloadApp(app_manager.OSKenApp):
             if not dispatchers.watches(name):
                 return
             self.rt.control.port_added(name)
+        self.watched[name] = ofport
         if self._rules_ready:  # else installed once the old rules are read back
-            self._send_discovery(ofport)
+            for mod in self._port_rules(ofport):
+                self.send(mod)
         LOG.info("watching port %s (ofport %d)", name, ofport)
-
-    def _send_discovery(self, ofport: int) -> None:
-        dp = self.datapath
-        for mod in openflow.discovery_rules(dp.ofproto_parser, dp.ofproto, ofport):
-            self.send(mod)
 
     def _port_down(self, ofport: int, name: str) -> None:
         self.port_names.pop(ofport, None)
         self.port_numbers.pop(name, None)
+        self.watched.pop(name, None)
         with self.rt.lock:
             gone = self.rt.control.port_removed(name)
         dp = self.datapath
         for flow in gone:
             self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto, flow.cookie, 2**64 - 1))
-        self.send(openflow.delete_counting_rules(dp.ofproto_parser, dp.ofproto, ofport))
+        self.send(
+            openflow.delete_counting_rules(
+                dp.ofproto_parser, dp.ofproto, ofport, table=self._counting_table
+            )
+        )
         self.mac_ports = {mac: port for mac, port in self.mac_ports.items() if port != name}
         LOG.info("port %s left the bridge; %d flows dropped", name, len(gone))
 
@@ -254,9 +264,14 @@ class OffloadApp(app_manager.OSKenApp):
                 # first one is left uncounted by a per-flow rule: see openflow.py.
                 self.rt.control.flows.count_packet_in(match, msg.total_len)
         if new:
-            rule = openflow.flow_rule(
-                dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match, msg.total_len
-            )
+            if self.rt.pipeline is None:
+                rule = openflow.flow_rule(
+                    dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match, msg.total_len
+                )
+            else:  # counts only; its first packet is not noted (not read back)
+                rule = self.rt.pipeline.flow_rule(
+                    dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match
+                )
             self.send(rule)
 
     def _fdb_port(self, mac: str) -> str | None:
@@ -299,6 +314,7 @@ class OffloadApp(app_manager.OSKenApp):
             return  # the previous poll is still being answered
         self._stats_parts = {}
         self._learned_parts = {}
+        self._handoffs_seen = set()
         self._stats_sent_at = time.monotonic()
         self.send(openflow.owned_stats_request(dp.ofproto_parser, dp.ofproto))
 
@@ -319,6 +335,7 @@ class OffloadApp(app_manager.OSKenApp):
         rule_stats, self._stats_parts = self._stats_parts, {}
         learned_stats, self._learned_parts = self._learned_parts, {}
         self._stats_sent_at = None
+        self._restore_handoffs()
         with self.rt.lock:
             control = self.rt.control
             try:
@@ -340,7 +357,7 @@ class OffloadApp(app_manager.OSKenApp):
             if ofport is not None:
                 self.send(
                     openflow.delete_counting_rules(
-                        dp.ofproto_parser, dp.ofproto, ofport, flow.match
+                        dp.ofproto_parser, dp.ofproto, ofport, flow.match, self._counting_table
                     )
                 )
 
@@ -349,6 +366,8 @@ class OffloadApp(app_manager.OSKenApp):
         cookie) or a counting rule (by its match)."""
         counters = FlowCounters(stat.packet_count, stat.byte_count)
         flow_id = flows.cookie_flow_id(stat.cookie)
+        if stat.table_id == flows.FLOW_TABLE:
+            self._handoffs_seen.add(stat.cookie)
         if flow_id is not None:
             self._stats_parts[flow_id] = counters
         elif flows.is_counting_cookie(stat.cookie):
@@ -357,7 +376,28 @@ class OffloadApp(app_manager.OSKenApp):
             if match is not None:
                 self._learned_parts[match] = counters
 
+    def _restore_handoffs(self) -> None:
+        """Beside Neutron: re-add the hand-off rules Neutron's resync deleted (it
+        cleans its tables of every cookie it did not reserve)."""
+        if self.rt.pipeline is None or self.datapath is None:
+            return
+        for ofport in neutron.missing_handoffs(self.watched, self._handoffs_seen):
+            LOG.warning("hand-off rule of ofport %d gone (Neutron resync?): re-added", ofport)
+            for mod in self._port_rules(ofport):
+                self.send(mod)
+
     # -- helpers ------------------------------------------------------------------------
+    @property
+    def _counting_table(self) -> int:
+        pipeline = self.rt.pipeline
+        return flows.COUNTING_TABLE if pipeline is None else pipeline.counting_table
+
+    def _port_rules(self, ofport: int) -> list[Any]:
+        dp = self.datapath
+        if self.rt.pipeline is not None:
+            return self.rt.pipeline.port_rules(dp.ofproto_parser, dp.ofproto, ofport)
+        return openflow.discovery_rules(dp.ofproto_parser, dp.ofproto, ofport)
+
     def send(self, msg: Any) -> None:
         dp = self.datapath
         if dp is None:
@@ -374,6 +414,8 @@ class OffloadApp(app_manager.OSKenApp):
         if dp is None:
             return False
         self._barrier_done.clear()
+        if self.rt.pipeline is not None:  # Neutron's rules switch everything
+            self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto))
         for mod in openflow.delete_judging_rules(dp.ofproto_parser, dp.ofproto):
             self.send(mod)
         self.send(dp.ofproto_parser.OFPBarrierRequest(dp))

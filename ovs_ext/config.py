@@ -60,12 +60,71 @@ offload_opts = [
         help="TCP port of the OpenFlow controller (6653: OpenFlow's IANA port; "
         "Neutron's native agent uses 6633).",
     ),
+    cfg.StrOpt(
+        "pipeline",
+        default="standalone",
+        choices=[
+            (
+                "standalone",
+                "the app owns the bridge: its controller, a table-0 NORMAL "
+                "rule and rules that forward (no Neutron on this host)",
+            ),
+            (
+                "neutron",
+                "beside Neutron's OVS agent, which owns br-int: the app adds its "
+                "controller beside Neutron's, hands packets back to Neutron's table 0, keeps "
+                "its rules in tables of its own and offloads only flows whose ports Neutron "
+                "enforces nothing on in OVS (see ovs_ext/neutron.py)",
+            ),
+        ],
+        help="Who owns the bridge's OpenFlow pipeline.",
+    ),
+    cfg.StrOpt(
+        "neutron_ports_file",
+        default="/run/flexmig/neutron-ports.json",
+        help="With pipeline = neutron: the port facts (port security, network, QoS "
+        "policy) FlexMig's L2 agent extension writes from inside Neutron's OVS agent. "
+        "A port not in it is never offloaded; an unreadable file offloads nothing.",
+    ),
+    cfg.IntOpt(
+        "neutron_table",
+        default=210,
+        min=100,
+        max=253,
+        help="With pipeline = neutron: the app's judging table (per-flow rules), "
+        "outside Neutron's tables, which Neutron's resync cleans.",
+    ),
+    cfg.IntOpt(
+        "neutron_counting_table",
+        default=211,
+        min=100,
+        max=253,
+        help="With pipeline = neutron: the table of the flows' counting rules.",
+    ),
+    cfg.IntOpt(
+        "neutron_register",
+        default=12,
+        min=8,
+        max=15,
+        help="With pipeline = neutron: the register marking a packet already handed "
+        "to the app (Neutron's br-int uses reg2 to reg7).",
+    ),
+    cfg.IntOpt(
+        "neutron_controller_id",
+        default=0xF1E0,
+        min=1,
+        max=65535,
+        help="With pipeline = neutron: the app's OpenFlow controller id; its rules "
+        "send packet-ins to this id only, so Neutron's controller never gets them.",
+    ),
     cfg.BoolOpt(
         "configure_bridge",
         default=True,
         help="At start, point the bridge's controller at this app with "
         "fail-mode standalone (the bridge keeps switching if the app dies) and "
-        "allow OpenFlow 1.0 and 1.3 (the app speaks 1.3 only).",
+        "allow OpenFlow 1.0 and 1.3 (the app speaks 1.3 only). With pipeline = "
+        "neutron: only add the app's controller beside Neutron's (and again "
+        "whenever Neutron's agent reset the list); nothing else is changed.",
     ),
     cfg.FloatOpt(
         "flow_idle_timeout",

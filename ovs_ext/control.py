@@ -41,6 +41,7 @@ class OffloadControl:
         flows: FlowManager | None = None,
         wall_clock: Callable[[], float] = time.time,
         idle_timeout: float = 0.0,
+        offload_guard: Callable[[FlowMatch, str | None], str] | None = None,
     ) -> None:
         self.policy = policy
         self.provider = provider
@@ -49,6 +50,9 @@ class OffloadControl:
         self.flows = flows if flows is not None else FlowManager()
         self.wall_clock = wall_clock
         self.idle_timeout = idle_timeout  # 0: flows are never forgotten
+        # Why a flow must not bypass the vSwitch whatever the policy says (beside
+        # Neutron: what its ports enforce in OVS); empty when it may.
+        self.offload_guard = offload_guard
         self.provider_capacity = provider.describe().capacity
         self.polls = 0  # statistics polls done: a migration waits for fresh counters
         # More sections of the status file (name -> producer), e.g. migrations.
@@ -167,9 +171,10 @@ class OffloadControl:
         self.flows.sample()
         self.polls += 1
         expired = self._expire_idle()
+        guarded = self._enforce_guard()
         rule = self.policy.statistics
         if not rule.enabled:
-            return PollReport(expired=expired)
+            return PollReport(demoted=guarded, expired=expired)
         demote: list[FlowMatch] = []
         candidates: list[tuple[TrackedFlow, float, bool]] = []
         for flow in self.flows:
@@ -185,7 +190,8 @@ class OffloadControl:
                     candidates.append((flow, rate.pps, False))
         self._onload(tuple(demote), "demoted: below the lower marks")
         admitted, evicted, refused = self._admit(candidates, "promoted by statistics")
-        return PollReport(tuple(admitted), tuple(demote), tuple(evicted), refused, expired)
+        demoted = guarded + tuple(demote)
+        return PollReport(tuple(admitted), demoted, tuple(evicted), refused, expired)
 
     def onload_now(self, matches: tuple[FlowMatch, ...], reason: str) -> None:
         """Back to the vSwitch now (a migration's demotion), counters carried over."""
@@ -221,6 +227,19 @@ class OffloadControl:
             LOG.warning("%d flows not re-offloaded: %s", len(refused), sorted(refused.values()))
         return admitted
 
+    def _enforce_guard(self) -> tuple[FlowMatch, ...]:
+        """Offloaded flows the guard now forbids (e.g. port security turned on
+        for a port) go back to the vSwitch at once, whatever their rate."""
+        if self.offload_guard is None:
+            return ()
+        back = []
+        for flow in self.flows.offloaded():
+            why = self.offload_guard(flow.match, flow.out_port)
+            if why:
+                self._onload((flow.match,), f"onloaded: {why}")
+                back.append(flow.match)
+        return tuple(back)
+
     def _expire_idle(self) -> tuple[TrackedFlow, ...]:
         """Forget flows idle for idle_timeout (an OpenFlow idle timeout cannot be
         used: an offloaded flow's rule sees no packets while it is busy)."""
@@ -244,6 +263,8 @@ class OffloadControl:
         eligible = []
         for flow, rate, forced in candidates:
             why_not = self.dispatchers.can_offload(flow.match, flow.out_port)
+            if not why_not and self.offload_guard is not None:
+                why_not = self.offload_guard(flow.match, flow.out_port)
             if why_not:
                 refused[flow.match] = why_not
             else:

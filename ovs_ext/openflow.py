@@ -151,7 +151,7 @@ def discovery_rules(parser: ModuleType, ofproto: ModuleType, ofport: int) -> lis
     return mods
 
 
-def counting_learn(parser: ModuleType, proto: int) -> Any:
+def counting_learn(parser: ModuleType, proto: int, table: int = flows.COUNTING_TABLE) -> Any:
     """``learn``: the packet's exact 5-tuple on its in_port, no actions, in the
     counting table (a rule that only counts what traverses it)."""
     l4 = "tcp" if proto == IPPROTO_TCP else "udp"
@@ -169,7 +169,7 @@ def counting_learn(parser: ModuleType, proto: int) -> Any:
         copy(f"{l4}_dst", 16),
     ]
     return parser.NXActionLearn(
-        table_id=flows.COUNTING_TABLE,
+        table_id=table,
         specs=specs,
         idle_timeout=COUNTING_IDLE_TIMEOUT,
         priority=flows.FLOW_PRIORITY,
@@ -283,7 +283,8 @@ def counted_match(fields: Any, port_name: str | None) -> FlowMatch | None:
 
 
 def delete_counting_rules(parser: ModuleType, ofproto: ModuleType, in_port: int,
-                          match: FlowMatch | None = None) -> Any:  # fmt: skip
+                          match: FlowMatch | None = None,
+                          table: int = flows.COUNTING_TABLE) -> Any:  # fmt: skip
     """Delete one flow's counting rule, or every one on ``in_port``."""
     fields: dict[str, Any] = {"in_port": in_port}
     if match is not None:
@@ -292,7 +293,7 @@ def delete_counting_rules(parser: ModuleType, ofproto: ModuleType, in_port: int,
         datapath=None,
         cookie=flows.counting_cookie(),
         cookie_mask=flows.COOKIE_MASK | (0xFF << 40),
-        table_id=flows.COUNTING_TABLE,
+        table_id=table,
         command=ofproto.OFPFC_DELETE,
         out_port=ofproto.OFPP_ANY,
         out_group=ofproto.OFPG_ANY,

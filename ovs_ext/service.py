@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from types import FrameType
 
 from oslo_config import cfg
@@ -25,7 +26,7 @@ from stevedore import driver
 
 from agents.agent import auth
 from flexmig import exceptions
-from ovs_ext import config, control_api, policy
+from ovs_ext import config, control_api, neutron, policy
 from ovs_ext.app import Runtime
 from ovs_ext.control import OffloadControl
 from ovs_ext.dispatcher import Dispatchers
@@ -37,6 +38,8 @@ from ovs_ext.providers.base import FlowCounters, FlowMatch, OffloadProvider
 LOG = logging.getLogger("flexmig.ovs_ext.service")
 OVS_VSCTL_TIMEOUT = 10
 CONTROLLER_WAIT = 30.0
+# Beside Neutron: how often the app checks its controller is still in the list.
+CONTROLLER_CHECK_EVERY = 5.0
 SHUTDOWN_TIMEOUT = 3.0
 
 
@@ -185,15 +188,37 @@ def prepare(argv: list[str]) -> tuple[cfg.ConfigOpts, Runtime]:
     check_listen(opts.controller_address, opts.controller_port)
     datapath_id = bridge_datapath_id(opts.bridge)
     stale = take_stale_entries(provider, opts.provider)
+    pipeline, guard = neutron_mode(opts)
     dispatchers = Dispatchers(provider, opts.provider, opts.vm_port_patterns, opts.uplinks)
     control = OffloadControl(
-        active_policy, provider, opts.provider, dispatchers, idle_timeout=opts.flow_idle_timeout
+        active_policy,
+        provider,
+        opts.provider,
+        dispatchers,
+        idle_timeout=opts.flow_idle_timeout,
+        offload_guard=guard,
     )
     for match, counters in stale.items():
         control.flows.restore(match, offloaded=counters)
     runtime = Runtime(control, opts.bridge, opts.poll_interval, opts.status_file)
     runtime.datapath_id = datapath_id
+    runtime.pipeline = pipeline
     return conf, runtime
+
+
+def neutron_mode(
+    opts: cfg.ConfigOpts,
+) -> tuple[neutron.NeutronPipeline | None, Callable[[FlowMatch, str | None], str] | None]:
+    """The pipeline and offload guard beside Neutron's agent; (None, None) standalone."""
+    if opts.pipeline != "neutron":
+        return None, None
+    pipeline = neutron.NeutronPipeline(
+        opts.neutron_table,
+        opts.neutron_counting_table,
+        opts.neutron_register,
+        opts.neutron_controller_id,
+    )
+    return pipeline, neutron.NeutronGuard(opts.neutron_ports_file).why_not
 
 
 def check_listen(address: str, port: int) -> None:
@@ -229,18 +254,27 @@ def main(argv: list[str] | None = None) -> int:
     _start_osken(runtime, opts.controller_address, opts.controller_port)
     _install_signal_handlers(runtime, opts.policy_file)
     rc = 0
+    target = f"tcp:{opts.controller_address}:{opts.controller_port}"
+    beside_neutron = runtime.pipeline is not None
     try:
-        if opts.configure_bridge:
-            target = f"tcp:{opts.controller_address}:{opts.controller_port}"
+        if opts.configure_bridge and beside_neutron:
+            neutron.check_openflow13(opts.bridge)
+            neutron.ensure_controller(opts.bridge, target)
+            set_revalidator(opts.ovs_revalidator_ms)
+        elif opts.configure_bridge:
             configure_bridge(opts.bridge, target, opts.ovs_revalidator_ms)
         if not runtime.connected.wait(CONTROLLER_WAIT):
             LOG.error("bridge %s did not connect within %.0f s", opts.bridge, CONTROLLER_WAIT)
-        while not runtime.stopping.wait(1.0):
-            pass
-    except OffloadServiceError as exc:
+        while not runtime.stopping.wait(CONTROLLER_CHECK_EVERY):
+            if opts.configure_bridge and beside_neutron:
+                # Neutron's agent resets the list to its own if it finds its
+                # controller missing (e.g. after an OVS restart).
+                neutron.ensure_controller(opts.bridge, target)
+    except exceptions.FlexMigError as exc:
         LOG.error("%s", exc)
         rc = 1
-    _shutdown(runtime, endpoint, opts.bridge if opts.configure_bridge else None)
+    bridge = opts.bridge if opts.configure_bridge else None
+    _shutdown(runtime, endpoint, bridge, target if beside_neutron else None)
     logging.shutdown()
     # os-ken's hub threads are not daemons and have no stop: leave without them.
     os._exit(rc)
@@ -271,7 +305,23 @@ def reload_policy(runtime: Runtime, policy_file: str) -> bool:
     return True
 
 
-def _shutdown(runtime: Runtime, endpoint: OpenFlowStatsServer | None, bridge: str | None) -> None:
+def set_revalidator(revalidator_ms: int) -> None:
+    """ovs-vsctl's other_config:max-revalidator (switch-wide; 0: left alone)."""
+    if not revalidator_ms:
+        return
+    setting = f"other_config:max-revalidator={revalidator_ms}"
+    cmd = ["ovs-vsctl", f"--timeout={OVS_VSCTL_TIMEOUT}", "set", "Open_vSwitch", ".", setting]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise OffloadServiceError(reason=f"could not set {setting}: {proc.stderr.strip()}")
+
+
+def _shutdown(
+    runtime: Runtime,
+    endpoint: OpenFlowStatsServer | None,
+    bridge: str | None,
+    own_controller: str | None = None,
+) -> None:
     """Every offloaded flow back to the bridge, the fast path detached, the bridge
     back to its own NORMAL switching."""
     LOG.info("stopping: flows go back to the bridge")
@@ -285,7 +335,12 @@ def _shutdown(runtime: Runtime, endpoint: OpenFlowStatsServer | None, bridge: st
         LOG.warning("bridge did not confirm the removal of the app's rules")
     if endpoint is not None:
         endpoint.stop()
-    if bridge is not None:
+    if bridge is not None and own_controller is not None:
+        try:  # beside Neutron: only the app's own controller record goes
+            neutron.remove_controller(bridge, own_controller)
+        except neutron.NeutronModeError as exc:
+            LOG.warning("%s", exc)
+    elif bridge is not None:
         subprocess.run(
             ["ovs-vsctl", f"--timeout={OVS_VSCTL_TIMEOUT}", "del-controller", bridge],
             capture_output=True,

@@ -9,7 +9,9 @@ import time
 import libvirt
 
 from flexmig import hypervisor
+from flexmig.migration import facts as migration_facts
 from flexmig.migration.facts import filesystem_of
+from flexmig.migration.knobs import HostSoftware
 
 MIB = 2**20
 
@@ -40,11 +42,13 @@ def store_write_bps(store_dir: str, nbytes: int = STORE_PROBE_BYTES) -> float:
         os.unlink(path)
 
 
-def running_vm_ram(uri: str, host: str) -> int:
+def running_vm_ram(uri: str, host: str) -> tuple[int, HostSoftware]:
+    """(RAM of the running VMs, this host's libvirt and QEMU versions)."""
     with hypervisor.connect(uri, host) as conn:
         with hypervisor.wrap_errors(host, "list running VMs"):
             doms = conn.listAllDomains(libvirt.VIR_CONNECT_LIST_DOMAINS_ACTIVE)
-            return sum(d.maxMemory() * 1024 for d in doms)
+            used = sum(d.maxMemory() * 1024 for d in doms)
+        return used, migration_facts.host_software(conn, host)
 
 
 def host_facts(
@@ -57,7 +61,7 @@ def host_facts(
     store_bps: float = 0.0,
 ) -> dict[str, object]:
     """``memory_cgroup``: which hierarchy caps split VMs here (version 1, 2 or None)."""
-    used = running_vm_ram(uri, host)
+    used, software = running_vm_ram(uri, host)
     budget = budget_mb * MIB if budget_mb else _mem_available() + used
     st = os.statvfs(store_dir)
     return {
@@ -74,4 +78,7 @@ def host_facts(
         "store_write_bps": store_bps,
         "memory_cgroup": memory_cgroup,
         "measured_links": links,
+        # What the knobs of a migration to or from here may use (knobs.FEATURES).
+        "libvirt_version": software.libvirt,
+        "qemu_version": software.qemu,
     }

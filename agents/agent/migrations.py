@@ -23,7 +23,7 @@ from agents.agent import auth, inventory, movers, privileged
 from agents.agent.client import AgentClient
 from agents.agent.offload_hook import OffloadHook
 from flexmig import exceptions, hypervisor
-from flexmig.migration import facts, planner
+from flexmig.migration import downtime, facts, planner
 from flexmig.migration.libvirt_job import JobConfig, JobResult, MigrationJob
 from flexmig.migration.options import EngineOptions
 from flexmig.migration.planner import Plan
@@ -157,6 +157,7 @@ class MigrationService:
                 self.ram_mapping,
                 samples=self.samples.take(request.vm),
             )
+            source = planner.SourceFacts(facts.host_software(conn, self.host), facts.idle_cpus())
         link = self.link(dest)
         dest_facts = dest.agent.get("/v1/facts")
         return planner.plan(
@@ -171,6 +172,7 @@ class MigrationService:
             ),
             self.options,
             rdma_both_ends=self.rdma and dest_facts.get("rdma_provider") is True,
+            source=source,
         )
 
     def link(self, dest: Destination) -> LinkEstimate:
@@ -420,6 +422,15 @@ class MigrationService:
             "predicted_total_ms": round(pred.total_time_s * 1000),
             "predicted_downtime_ms": round(pred.downtime_s * 1000),
             "predicted_rounds": len(pred.rounds),
+            "knobs": dataclasses.asdict(plan.knobs) | {"reasons": None},
+            "downtime_budget_ms": plan.downtime_budget_ms,
+            "predicted_guest_downtime_ms": round(plan.guest_downtime.total_ms),
+            "predicted_downtime_parts_ms": plan.guest_downtime.parts_ms,
+            "downtime_parts_ms": downtime.measured(stats),
+            # QEMU's own downtime is a floor of what the guest noticed: a
+            # budget it alone exceeds is reported here (the guest's view, where
+            # someone measures it, in migrate_cli).
+            "downtime_exceeded_ms": downtime.excess(plan.downtime_budget_ms, stats.get("downtime")),
             "libvirt_stats": stats,
         }
 

@@ -139,7 +139,12 @@ class Agent:
             self._memory_cgroup(),
             {peer: dataclasses.asdict(link) for peer, link in self.migrations.links.items()},
             self._store_write_bps(),
-        ) | {"rdma_provider": self.migrations.rdma}
+        ) | {
+            "rdma_provider": self.migrations.rdma,
+            # Where other agents reach this one (a caller may have come another
+            # way, e.g. a local UNIX socket): the offload hook's agent-to-agent hand-off.
+            "agent": {"address": str(self.conf.agent.listen_address), "port": self.conf.agent.port},
+        }
 
     def _store_write_bps(self) -> float:
         """The store's write bandwidth, probed at most every STORE_PROBE_MAX_AGE_S."""
@@ -417,6 +422,10 @@ class Agent:
             "transfer": plan.decision.transfer,
             "transport": plan.transport.transport,
             "parallel": plan.parallel,
+            "knobs": dataclasses.asdict(plan.knobs),
+            "features": plan.features,
+            "predicted_guest_downtime_ms": round(plan.guest_downtime.total_ms),
+            "over_budget": plan.over_budget,
             "explanation": text,
         }
 

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import libvirt
 
 from flexmig import exceptions, hypervisor
+from flexmig.migration.knobs import HostSoftware
 
 PAGE = 4096
 MIB = 2**20
@@ -199,3 +200,14 @@ def read_vm(
     if not samples:
         samples = sample_dirty_pages(conn, dom, host, sample_seconds)
     return VmFacts(name=dom.name(), memory=memory, dirty_samples=samples, paused=paused)
+
+
+def host_software(conn: libvirt.virConnect, host: str) -> HostSoftware:
+    """The libvirt and QEMU versions behind ``conn`` (a remote URI: the remote host's)."""
+    with hypervisor.wrap_errors(host, "read libvirt's and QEMU's versions"):
+        return HostSoftware(libvirt=conn.getLibVersion(), qemu=conn.getVersion())
+
+
+def idle_cpus() -> float:
+    """CPUs of this host not busy: its count minus the 1-minute load average."""
+    return max(0.0, (os.cpu_count() or 1) - os.getloadavg()[0])

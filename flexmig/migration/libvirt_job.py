@@ -113,9 +113,8 @@ class MigrationJob:
             # plain bandwidth leaves postcopy's page pushing uncapped).
             params[libvirt.VIR_MIGRATE_PARAM_BANDWIDTH] = cap
             params[libvirt.VIR_MIGRATE_PARAM_BANDWIDTH_POSTCOPY] = cap
-        if self.plan.parallel > 1:
-            params[libvirt.VIR_MIGRATE_PARAM_PARALLEL_CONNECTIONS] = self.plan.parallel
-        return params
+        # The plan's knobs: parallel connections, compression, the switchover hint.
+        return params | self.plan.params()
 
     def flags(self) -> int:
         return BASE_FLAGS | self.plan.mode_flags(libvirt)

@@ -14,7 +14,9 @@ import math
 from typing import Any
 
 from flexmig import exceptions
+from flexmig.migration import downtime, knobs
 from flexmig.migration.facts import PAGE, GuestMemory, VmFacts
+from flexmig.migration.knobs import HostSoftware, Knobs
 from flexmig.migration.options import EngineOptions
 from flexmig.migration.request import MigrationRequest
 from flexmig.policy import dirty_model
@@ -25,6 +27,8 @@ MIB = 2**20
 # Filesystems whose files userfaultfd can serve for postcopy (missing mode);
 # anonymous, shared (memfd/shmem) and hugetlbfs memory it serves too.
 USERFAULTFD_FILESYSTEMS = ("tmpfs", "hugetlbfs")
+UNKNOWN_SOFTWARE = HostSoftware()
+NO_KNOBS = Knobs()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +41,7 @@ class DestinationFacts:
     split_reserved: bool | None = None
     store_write_bps: float = 0.0  # the split store's measured write rate; 0: unknown
     memory_cgroup: str = ""  # how the destination caps a split VM's residency
+    software: HostSoftware = UNKNOWN_SOFTWARE  # its libvirt and QEMU
 
     @classmethod
     def from_agent(cls, facts: dict[str, Any]) -> DestinationFacts:
@@ -47,6 +52,7 @@ class DestinationFacts:
                 int(facts["store_free_bytes"]),
                 store_write_bps=float(facts.get("store_write_bps") or 0.0),
                 memory_cgroup=str((facts.get("memory_cgroup") or {}).get("detail") or ""),
+                software=HostSoftware.from_facts(facts),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise exceptions.BackendError(
@@ -62,6 +68,15 @@ class LinkFacts:
     stream_bps: float | None = None  # QEMU's stream, learned from earlier migrations
     setup_s: float = 0.0  # job start until the first page moves
     switchover_s: float = 0.05
+    resume_s: float = downtime.RESUME_S  # libvirt's finish and resume, as the guest sees it
+
+
+@dataclasses.dataclass(frozen=True)
+class SourceFacts:
+    """The source host's side of the knob choices."""
+
+    software: HostSoftware = UNKNOWN_SOFTWARE
+    idle_cpus: float = 1.0  # CPUs not busy (count minus load): what compression may use
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +88,12 @@ class Plan:
     downtime_budget_ms: int  # the full budget (the decision may use a tighter limit)
     bandwidth_bps: float  # the stream rate the prediction assumed
     notes: tuple[str, ...] = ()
+    knobs: Knobs = NO_KNOBS
+    features: dict[str, str] = dataclasses.field(default_factory=dict)  # knobs.feature_matrix
+    hosts: tuple[HostSoftware, HostSoftware] = (UNKNOWN_SOFTWARE, UNKNOWN_SOFTWARE)
+    guest_downtime: downtime.Forecast = dataclasses.field(
+        default_factory=lambda: downtime.Forecast({})
+    )
 
     @property
     def mode(self) -> str:
@@ -87,7 +108,20 @@ class Plan:
             flags |= lv.VIR_MIGRATE_POSTCOPY
         if self.parallel > 1:
             flags |= lv.VIR_MIGRATE_PARALLEL
-        return flags
+        return flags | self.knobs.flags()
+
+    def params(self) -> dict[str, object]:
+        """The typed parameters this plan adds to libvirt's migrateToURI3 (beside the URI,
+        the bandwidth cap and the XML, which are the caller's)."""
+        params = self.knobs.params()
+        if self.parallel > 1:
+            params[knobs.PARAM_PARALLEL_CONNECTIONS] = self.parallel
+        return params
+
+    @property
+    def over_budget(self) -> str | None:
+        """Why the guest will notice more than its budget, or None."""
+        return downtime.over_budget(self.guest_downtime.total_ms, self.downtime_budget_ms)
 
     def merged_flags(self, other_flags: int, lv: Any) -> int:
         """Another caller's flags (Nova's: tunnelling, TLS, block migration…) with ours.
@@ -99,16 +133,25 @@ class Plan:
         >>> lv = types.SimpleNamespace(VIR_MIGRATE_POSTCOPY=32768,
         ...     VIR_MIGRATE_AUTO_CONVERGE=8192, VIR_MIGRATE_PARALLEL=131072)
         >>> plan = types.SimpleNamespace(mode_flags=lambda lv: 32768)
-        >>> Plan.merged_flags(plan, 1 | 2 | 8192, lv)
+        >>> Plan.merged_flags(plan, 1 | 2 | 8192 | 2048, lv)
         32771
         """
         chosen = lv.VIR_MIGRATE_POSTCOPY | lv.VIR_MIGRATE_AUTO_CONVERGE | lv.VIR_MIGRATE_PARALLEL
+        chosen |= knobs.ALL_FLAGS
         return (other_flags & ~chosen) | self.mode_flags(lv)
 
     def explain(self) -> str:
         lines = [self.decision.explain()]
         lines.append(f"  transport: {self.transport.transport} ({self.transport.reason})")
+        lines += [f"  knob {reason}" for reason in self.knobs.reasons]
+        if self.guest_downtime.parts_ms:
+            lines.append(f"  guest-observed downtime predicted: {self.guest_downtime.describe()}")
+        if self.over_budget:
+            lines.append(f"  WARNING: {self.over_budget}")
         lines += [f"  note: {note}" for note in self.notes]
+        source, dest = self.hosts
+        lines.append(f"  hosts: source {source.describe()}; destination {dest.describe()}")
+        lines += [f"    {name}: {state}" for name, state in self.features.items()]
         return "\n".join(lines)
 
 
@@ -178,16 +221,6 @@ def stream_bandwidth(request: MigrationRequest, link: LinkFacts, opts: EngineOpt
     return bandwidth
 
 
-def parallel_connections(request: MigrationRequest, decision: Decision) -> tuple[int, str | None]:
-    """Parallel connections carry precopy only: (connections used, why fewer than asked)."""
-    if request.parallel > 1 and decision.transfer == "postcopy":
-        return 1, (
-            f"{request.parallel} parallel connections were asked for, but this plan "
-            "switches to postcopy, which they cannot carry: a single stream"
-        )
-    return request.parallel, None
-
-
 def plan(
     request: MigrationRequest,
     vm: VmFacts,
@@ -195,8 +228,10 @@ def plan(
     link: LinkFacts,
     opts: EngineOptions,
     rdma_both_ends: bool = False,
+    source: SourceFacts | None = None,
 ) -> Plan:
-    """Decide the mode, transport and parameters of one migration."""
+    """Decide the mode, transport, knobs and parameters of one migration."""
+    source = source or SourceFacts()
     postcopy, split = blockers(vm, dest, opts)
     budget_ms = request.downtime_budget_ms(opts.max_downtime_ms)
     bandwidth = stream_bandwidth(request, link, opts)
@@ -225,14 +260,38 @@ def plan(
         raise exceptions.PolicyRefused(
             vm.name, [f"the policy chose {decision.mode}, which [migration] allowed_modes excludes"]
         )
-    parallel, note = parallel_connections(request, decision)
     transport = choose_transport(request.transport, rdma_both_ends, opts.tcp_fabric_transport)
+    features = knobs.feature_matrix(source.software, dest.software)
+    chosen = knobs.choose(
+        knobs.KnobInputs(
+            transfer=decision.transfer,
+            requested_parallel=request.parallel,
+            stream_bps=bandwidth,
+            fabric_bps=link.fabric_bps,
+            capped=bool(request.bandwidth_mib),
+            transport=transport.transport,
+            idle_cpus=source.idle_cpus,
+            features=features,
+            file_backed=mem.file_backed,
+        )
+    )
+    forecast = downtime.predict(
+        decision.prediction,
+        decision.transfer,
+        link.switchover_s,
+        bandwidth,
+        chosen.postcopy_preempt,
+        link.resume_s,
+    )
     return Plan(
         request=request,
         decision=decision,
         transport=transport,
-        parallel=parallel,
+        parallel=chosen.parallel,
         downtime_budget_ms=budget_ms,
         bandwidth_bps=bandwidth,
-        notes=(note,) if note else (),
+        knobs=chosen,
+        features=features,
+        hosts=(source.software, dest.software),
+        guest_downtime=forecast,
     )

@@ -38,7 +38,7 @@ class MigrationRequest:
     max_downtime_ms: int | None = None
     bandwidth_mib: int = 0  # a cap on the stream (emulates a slower link); 0: none
     transport: str = "auto"
-    parallel: int = 1  # libvirt parallel connections; 1: the single stream
+    parallel: int = 0  # libvirt parallel connections; 1: the single stream; 0: the plan's choice
     store_writeback: bool = True  # write a file-backed VM's memory back as it arrives
 
     def __post_init__(self) -> None:
@@ -90,10 +90,8 @@ def _problems(req: MigrationRequest) -> list[str]:
         problems.append(f"bandwidth {req.bandwidth_mib} MiB/s not in 0..{MAX_BANDWIDTH_MIB}")
     if req.transport not in TRANSPORTS:
         problems.append(f"transport {req.transport!r} is not one of {', '.join(TRANSPORTS)}")
-    if not 1 <= req.parallel <= MAX_PARALLEL:
-        problems.append(f"parallel {req.parallel} not in 1..{MAX_PARALLEL}")
-    elif req.parallel > 1 and req.mode == "postcopy":
-        # With "auto" the planner keeps parallel connections only where the
-        # decision moves pages by precopy (planner.parallel_connections).
-        problems.append("parallel connections cannot carry postcopy")
+    if not 0 <= req.parallel <= MAX_PARALLEL:
+        problems.append(f"parallel {req.parallel} not in 0..{MAX_PARALLEL} (0: the plan chooses)")
+    # With postcopy the planner keeps parallel connections only where both
+    # hosts' QEMU and libvirt carry them together (knobs.choose_parallel).
     return problems

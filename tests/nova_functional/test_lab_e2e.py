@@ -266,10 +266,6 @@ class TestNovaMovesRealGuest(
             # at least the guest's 64 MiB working set went through them
             self.assertGreater(int(moved.group(1)), 64 * MIB)
 
-    @pytest.mark.skip(
-        reason="open defect (issue 15): on the Nova path the destination offloads the flow "
-        "anew by its own header rule; the records carried from the source are not applied"
-    )
     def test_guest_with_offloaded_flows_keeps_them_offloaded_on_the_destination(self) -> None:
         """The guest sends UDP through its tap, offloaded by the XDP eSwitch on lab-a;
         after Nova's live migration the flow is offloaded on lab-b with lab-a's counts."""

@@ -204,3 +204,11 @@ def test_limits_follow_the_options(tmp_path: pathlib.Path) -> None:
     assert limits(conf) == listener.Limits(
         socket_timeout=TIMEOUT_S, workers=3, max_queued=5, max_idle_connections=7
     )
+
+
+def test_facts_name_where_peers_reach_this_agent(tmp_path: pathlib.Path) -> None:
+    # The caller may have come by another way (Nova's driver by a local socket):
+    # the offload hand-off between agents uses this endpoint.
+    with serving(agent_conf(tmp_path, port=9811)) as (_agent, port):
+        facts = AgentClient("127.0.0.1", port, KEY).get("/v1/facts")
+    assert facts["agent"] == {"address": "127.0.0.1", "port": 9811}

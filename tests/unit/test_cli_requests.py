@@ -65,7 +65,7 @@ def test_explain_sends_one_request_with_only_what_was_asked(agent, capsys):
 @pytest.mark.parametrize(
     "argv",
     [
-        ["migrate", "vm1", "--to", "b", "--mode", "postcopy", "--parallel", "2"],
+        ["migrate", "vm1", "--to", "b", "--bandwidth-mib", "-1"],
         ["explain", "vm1", "--to", "b", "--max-downtime-ms", "0"],
         ["explain", "vm2", "--to", "b"],  # not running anywhere the inventory knows
         ["explain", "vm1", "--to", "a"],  # already there

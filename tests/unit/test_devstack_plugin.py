@@ -13,14 +13,18 @@ import configparser
 import importlib.metadata
 import os
 import re
+import socket
+import ssl
 import stat
+import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 from oslo_config import cfg
 
-from agents.agent import auth
+from agents.agent import auth, listener
 from agents.agent import config as agent_config
 from tests.devstack_standin.node import (
     NOVA_CONF,
@@ -136,6 +140,84 @@ def test_post_config_writes_an_agent_config_the_agent_accepts(stack):
     assert conf.agent.allow_orchestration is False
 
 
+def _devstack_ca(stack):
+    """A CA where DevStack's tls-proxy keeps its intermediate (INT_CA_DIR), and its bundle."""
+    ca_dir = stack.root / "opt" / "stack" / "data" / "CA" / "int-ca"
+    (ca_dir / "private").mkdir(parents=True)
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2",
+         "-subj", "/O=standin/CN=standin-int-ca", "-keyout", str(ca_dir / "private" / "cacert.key"),
+         "-out", str(ca_dir / "cacert.pem")],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    bundle = stack.root / "opt" / "stack" / "data" / "ca-bundle.pem"
+    bundle.write_text((ca_dir / "cacert.pem").read_text())
+    stack.env |= {"INT_CA_DIR": str(ca_dir), "SSL_BUNDLE_FILE": str(bundle)}
+    stack.env["ENABLED_SERVICES"] += ",tls-proxy"
+    return bundle
+
+
+def _handshake(server_ctx, client_ctx, name):
+    """A real TLS handshake over loopback; the client checks the cert for ``name``."""
+    with socket.socket() as listening:
+        listening.bind(("127.0.0.1", 0))
+        listening.listen(1)
+        errors = []
+
+        def serve():
+            conn, _ = listening.accept()
+            try:
+                with server_ctx.wrap_socket(conn, server_side=True):
+                    pass
+            except (OSError, ssl.SSLError) as exc:
+                errors.append(exc)
+
+        thread = threading.Thread(target=serve)
+        thread.start()
+        try:
+            with socket.create_connection(listening.getsockname(), timeout=5) as raw:
+                with client_ctx.wrap_socket(raw, server_hostname=name):
+                    return True
+        except ssl.SSLCertVerificationError:
+            return False
+        finally:
+            thread.join(5)
+
+
+def test_agent_serves_tls_with_a_certificate_from_devstacks_ca(stack):
+    bundle = _devstack_ca(stack)
+    stack.run("stack:install", "stack:post-config")
+    conf = cfg.ConfigOpts()
+    agent_config.register_opts(conf)
+    conf(["--config-file", str(conf_dir(stack) / "agent.conf")], project="flexmig-test")
+    agent_config.check_tls(conf)
+    assert conf.agent.tls_ca_file == str(bundle)
+    key = Path(conf.agent.tls_key_file)
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert ini(stack.path("NOVA_CONF"))["flexmig"]["agent_ca_file"] == str(bundle)
+    server = listener.server_tls(conf.agent.tls_cert_file, conf.agent.tls_key_file)
+    client = listener.client_tls(str(bundle))
+    # Nova and peer agents reach the agent by its listen address: the cert names it.
+    assert _handshake(server, client, "10.0.0.11")
+    assert not _handshake(server, client, "10.0.0.12")
+    first = Path(conf.agent.tls_cert_file).read_text()
+    stack.run("stack:post-config")  # a second run keeps the certificate
+    assert Path(conf.agent.tls_cert_file).read_text() == first
+
+
+def test_agent_tls_needs_devstacks_ca(stack):
+    before = stack.snapshot()
+    proc = stack.run("stack:install", check=False, localrc="FLEXMIG_AGENT_TLS=True")
+    assert proc.returncode != 0 and "enable_service tls-proxy" in proc.stderr
+    assert stack.snapshot() == before
+
+
+def test_agent_without_tls_proxy_serves_plain_http(stack):
+    stack.run("stack:install", "stack:post-config")
+    assert "tls_cert_file" not in ini(conf_dir(stack) / "agent.conf")["agent"]
+    assert "agent_ca_file" not in ini(stack.path("NOVA_CONF"))["flexmig"]
+
+
 def test_generated_key_is_private_to_the_stack_user_and_generated_once(stack):
     stack.run("stack:install", "stack:post-config")
     key_file = conf_dir(stack) / "agent.key"
@@ -228,6 +310,7 @@ def test_post_config_writes_offload_config_and_policy(stack):
         "stats_endpoint": "/var/run/openvswitch/br-int-offload.mgmt",
         "status_file": stack.env["FLEXMIG_STATE_DIR"] + "/offload-status.json",
         "control_key_file": str(conf_dir(stack) / "agent.key"),
+        "pipeline": "standalone",
     }
     example = REPO / "devstack" / "files" / "offload-policy.example.yaml"
     assert policy.read_text() == example.read_text()
@@ -259,14 +342,53 @@ def test_offload_is_opt_in(stack):
     assert [c[0] for c in stack.calls("run_process")] == ["flexmig-agent"]
 
 
-@pytest.mark.parametrize("agent", ["q-agt", "neutron-agent", "ovn-controller"])
-def test_offload_refuses_the_bridge_neutron_manages(stack, agent):
-    stack.env["ENABLED_SERVICES"] += f",q-svc,{agent}"
+def test_offload_refuses_the_bridge_ovn_manages(stack):
+    stack.env["ENABLED_SERVICES"] += ",q-svc,ovn-controller"
     before = stack.snapshot()
     proc = stack.run("stack:install", check=False)
     assert proc.returncode != 0
-    assert f"flexmig-offload would take over br-int, which {agent} manages" in proc.stderr
+    assert "cannot run on br-int, which ovn-controller manages" in proc.stderr
     assert stack.snapshot() == before
+
+
+@pytest.mark.parametrize(
+    ("services", "localrc", "error"),
+    [
+        (",q-svc,q-agt", "FLEXMIG_OFFLOAD_PIPELINE=standalone", "Neutron's OVS agent manages"),
+        ("", "FLEXMIG_OFFLOAD_PIPELINE=neutron", "needs Neutron's OVS agent"),
+        (",q-agt", "FLEXMIG_OFFLOAD_PIPELINE=ovs", "must be standalone or neutron"),
+    ],
+)
+def test_offload_pipeline_refused_where_it_cannot_run(stack, services, localrc, error):
+    stack.env["ENABLED_SERVICES"] += services
+    before = stack.snapshot()
+    proc = stack.run("stack:install", check=False, localrc=localrc)
+    assert proc.returncode != 0 and error in proc.stderr, proc.stderr
+    assert stack.snapshot() == before
+
+
+@pytest.mark.parametrize("agent", ["q-agt", "neutron-agent"])
+def test_offload_beside_neutrons_ovs_agent_loads_the_extension(stack, agent, tmp_path):
+    agent_conf = tmp_path / "etc" / "neutron" / "ml2_conf.ini"
+    agent_conf.parent.mkdir(parents=True)
+    agent_conf.write_text("[agent]\nextensions = qos\n")
+    stack.env["ENABLED_SERVICES"] += f",q-svc,{agent}"
+    stack.env["NEUTRON_CORE_PLUGIN_CONF"] = str(agent_conf)
+    stack.run("stack:install", "stack:post-config")
+    ports_file = stack.env["FLEXMIG_STATE_DIR"] + "/neutron/ports.json"
+    offload = ini(conf_dir(stack) / "offload.conf")["offload"]
+    assert (offload["pipeline"], offload["neutron_ports_file"]) == ("neutron", ports_file)
+    neutron_agent = ini(agent_conf)
+    assert neutron_agent["agent"]["extensions"] == "qos,flexmig_offload"
+    assert neutron_agent["flexmig_offload"]["ports_file"] == ports_file
+    stack.run("stack:post-config")  # a second run adds it once
+    assert ini(agent_conf)["agent"]["extensions"] == "qos,flexmig_offload"
+    # What the offload service and the extension accept.
+    conf = cfg.ConfigOpts()
+    offload_config = pytest.importorskip("ovs_ext.config")
+    offload_config.register_opts(conf)
+    conf(["--config-file", str(conf_dir(stack) / "offload.conf")], project="flexmig-test")
+    assert conf.offload.pipeline == "neutron"
 
 
 def test_offload_beside_neutron_when_the_operator_connects_the_bridge(stack):

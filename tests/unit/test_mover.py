@@ -212,9 +212,8 @@ class _NoMigrations:
 @pytest.mark.parametrize(
     ("extra", "reason"),
     [
-        ({"parallel": 2, "mode": "postcopy"}, "cannot carry postcopy"),
-        ({"parallel": 9, "mode": "precopy"}, "not in 1..8"),
-        ({"parallel": 0, "mode": "precopy"}, "not in 1..8"),
+        ({"parallel": 9, "mode": "precopy"}, "not in 0..8"),
+        ({"parallel": -1, "mode": "precopy"}, "not in 0..8"),
         ({"parallel": "4", "mode": "precopy"}, "parallel"),
     ],
 )

@@ -9,7 +9,7 @@ pytest.importorskip("nova", reason="Nova is not installed (tools/setup.sh instal
 from nova.objects import base as obj_base  # noqa: E402
 from nova.objects import migrate_data as nova_migrate_data  # noqa: E402
 
-from nova_driver import migrate_data  # noqa: E402
+from nova_driver import migrate_data, planning  # noqa: E402
 
 MIB = 2**20
 
@@ -42,3 +42,24 @@ def test_an_incomplete_offer_is_a_clear_error() -> None:
     received = obj_base.NovaObject.obj_from_primitive(data.obj_to_primitive())
     with pytest.raises(Exception, match="the destination offer lacks scope, scoped_key"):
         migrate_data.offer_of(received)
+
+
+SOCKET_OFFER = migrate_data.DestinationOffer("/run/flexmig/agent.sock", 0, "s", "k", 1, 1, None)
+
+
+def test_peer_endpoint_is_the_destination_agents_own_address() -> None:
+    facts = {"agent": {"address": "10.250.0.2", "port": 9797}}
+    assert planning.peer_endpoint(SOCKET_OFFER, facts) == {"address": "10.250.0.2", "port": 9797}
+
+
+@pytest.mark.parametrize(
+    "agent",
+    [None, "10.0.0.2", {"address": 7, "port": 9797}, {"address": "10.0.0.2", "port": 0},
+     {"address": "10.0.0.2", "port": True}, {"address": "10.0.0.2", "port": 70000}],
+)  # fmt: skip
+def test_peer_endpoint_falls_back_to_the_offer_on_facts_without_a_usable_one(agent) -> None:
+    facts = {} if agent is None else {"agent": agent}
+    assert planning.peer_endpoint(SOCKET_OFFER, facts) == {
+        "address": "/run/flexmig/agent.sock",
+        "port": 0,
+    }

@@ -85,6 +85,12 @@ class FakeConnection:
     def lookupByName(self, name: str) -> FakeDomain:
         return self.dom
 
+    def getLibVersion(self) -> int:
+        return LIBVIRT_VERSION
+
+    def getVersion(self) -> int:
+        return QEMU_VERSION
+
     def close(self) -> None:
         pass
 
@@ -102,10 +108,17 @@ class FakeAgent:
         return FABRIC_BPS
 
 
+LIBVIRT_VERSION, QEMU_VERSION = 11_003_000, 10_000_002  # the lab's backports
+SOFTWARE = {"libvirt_version": LIBVIRT_VERSION, "qemu_version": QEMU_VERSION}
+
+
 @pytest.fixture(autouse=True)
 def instant_sampling(monkeypatch):
     monkeypatch.setattr(facts.time, "sleep", lambda s: None)
+    monkeypatch.setattr(facts, "idle_cpus", lambda: 1.5)
     monkeypatch.setattr(AgentClient, "probe_bandwidth", lambda self, mib: FABRIC_BPS)
+    # The Nova path asks the destination's agent for its libvirt and QEMU.
+    monkeypatch.setattr(AgentClient, "get", lambda self, path, **kw: dict(SOFTWARE))
 
 
 OPTS = EngineOptions(dirty_sample_seconds=(1, 2))
@@ -127,7 +140,9 @@ def _agent_plan(guest: Guest, dest_free_mib: int, store, monkeypatch, **asked):
     service.samples = migrations.inventory.SampleCache()
     memory_file = str(store / "libvirt" / "qemu" / "vm1.ram") if guest.file_backed else None
     service.ram_mapping = lambda vm, ram: (memory_file, guest.resident_mib * MIB)
-    dest_agent = FakeAgent({"free_for_vms_bytes": dest_free_mib * MIB, "store_free_bytes": 8 << 30})
+    dest_agent = FakeAgent(
+        {"free_for_vms_bytes": dest_free_mib * MIB, "store_free_bytes": 8 << 30} | SOFTWARE
+    )
     dest = migrations.Destination(dest_agent, "qemu+tcp://b/system", "tcp://b")  # type: ignore[arg-type]
     return service.plan(MigrationRequest(vm="vm1", **asked), dest)
 
@@ -194,6 +209,12 @@ def test_both_paths_plan_the_same(tmp_path, monkeypatch, guest, dest_free_mib, m
     assert agent.mode == mode, agent.explain()
     assert agent.decision == nova.decision
     assert (agent.transport, agent.parallel) == (nova.transport, nova.parallel)
+    assert agent.knobs == nova.knobs
+    assert agent.features == nova.features
+    assert agent.guest_downtime == nova.guest_downtime
+    # Both hosts run libvirt 11.3 and QEMU 10.0: a postcopy plan gets the
+    # preempt channel, a precopy one does not, on either path.
+    assert nova.knobs.postcopy_preempt == (mode == "postcopy")
 
 
 def test_both_paths_refuse_the_same_vm_with_the_same_reasons(tmp_path, monkeypatch):

@@ -57,9 +57,15 @@ CONTROL_SOCKET = "/run/flexmig/offload-control.sock"
 
 
 def offload_conf(
-    provider: str, policy_file: str, poll_interval: float, extra: str = "", key_file: str = ""
+    provider: str,
+    policy_file: str,
+    poll_interval: float,
+    extra: str = "",
+    key_file: str = "",
+    options: str = "",
 ) -> str:
-    """The service's config file; ``extra`` appends sections (e.g. [offload_xdp]).
+    """The service's config file; ``extra`` adds sections (e.g. [offload_xdp]),
+    ``options`` more ``[offload]`` lines (e.g. ``pipeline = neutron``).
 
     With ``key_file`` (the lab's agent key) the control interface the host's
     agent moves migrating VMs' flows through is served on CONTROL_SOCKET.
@@ -81,6 +87,7 @@ def offload_conf(
             "ovs_revalidator_ms = 100",
             f"control_socket = {CONTROL_SOCKET if key_file else ''}",
             f"control_key_file = {key_file}",
+            options,
             "",
         ]
     )
@@ -109,6 +116,7 @@ class LabOffload:
         poll_interval: float = 0.1,
         wait: bool = True,
         extra_conf: str = "",
+        options: str = "",
     ) -> None:
         """(Re)start the service with this policy and provider."""
         self.stop()
@@ -122,6 +130,7 @@ class LabOffload:
                 poll_interval,
                 extra_conf,
                 str(self.host.dir.parents[1] / "agent.key"),
+                options,
             )
         )
         self.host.ns.root_path(STATUS_FILE).unlink(missing_ok=True)

@@ -1,0 +1,127 @@
+"""Downtime as the guest sees it: predicted in parts, measured in parts. Pure.
+
+QEMU's ``downtime`` is only part of what a guest notices.  Its heartbeat
+stops when the source pauses and starts again when the destination runs it
+and, after a postcopy switch, once the pages it touches first have arrived:
+
+- stop-and-copy: the last dirty pages, sent with the guest paused;
+- device state and switchover: QEMU's non-iterable state and its handshake
+  (what QEMU's downtime measures beyond the last pages; learned per link);
+- libvirt's finish and resume: the destination's bookkeeping before it
+  resumes the guest (``docs/benchmarks/switchover.md``: 26-44 ms here, once
+  115 ms on a loaded machine);
+- postcopy faults: after a switch, each page the guest touches that has not
+  arrived is fetched on demand, behind the pages already queued on the stream
+  unless postcopy-preempt gives faults a channel of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from flexmig.policy.precopy import Prediction
+
+MIB = 2**20
+RESUME_S = 0.035
+# The stream data queued ahead of a faulted page on a single channel (socket
+# buffers and QEMU's send queue), times the faults that stall the guest in a
+# row: fitted to docs/benchmarks/modes.md's hot hybrid run (328 ms guest gap,
+# 50 ms QEMU downtime, at 100 MiB/s): ~24 MiB of queue drained before the
+# guest runs again.  With preempt a fault waits for one page and a round trip.
+FAULT_QUEUE_BYTES = 24 * MIB
+PREEMPT_FAULT_S = 0.010
+
+PARTS = ("stop-and-copy", "device state", "finish and resume", "postcopy faults")
+
+
+@dataclasses.dataclass(frozen=True)
+class Forecast:
+    parts_ms: dict[str, float]
+
+    @property
+    def total_ms(self) -> float:
+        return sum(self.parts_ms.values())
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{k} {v:.0f}" for k, v in self.parts_ms.items() if v >= 0.5)
+        return f"{self.total_ms:.0f} ms ({parts})"
+
+
+def predict(
+    prediction: Prediction,
+    transfer: str,
+    switchover_s: float,
+    bandwidth_bps: float,
+    preempt: bool,
+    resume_s: float = RESUME_S,
+) -> Forecast:
+    """The guest-observed downtime of a plan, part by part.
+
+    >>> from flexmig.policy.precopy import Prediction
+    >>> p = Prediction("postcopy", (), True, "", 5.0, 0.05, 0.05, 1000)
+    >>> predict(p, "postcopy", 0.05, 100 * MIB, preempt=False).describe()
+    '325 ms (device state 50, finish and resume 35, postcopy faults 240)'
+    >>> predict(p, "postcopy", 0.05, 100 * MIB, preempt=True).total_ms
+    95.0
+    """
+    stop_copy_s = max(0.0, prediction.downtime_s - switchover_s)
+    faults_s = 0.0
+    if transfer == "postcopy":
+        faults_s = PREEMPT_FAULT_S if preempt else FAULT_QUEUE_BYTES / bandwidth_bps
+    parts = (stop_copy_s, switchover_s, resume_s, faults_s)
+    return Forecast({name: round(s * 1000, 1) for name, s in zip(PARTS, parts, strict=True)})
+
+
+def over_budget(forecast_ms: float, budget_ms: int) -> str | None:
+    """The warning explain gives before anything moves, or None.
+
+    >>> over_budget(340.0, 300)
+    'the guest is predicted to notice 340 ms, 40 ms over its 300 ms budget: no plan \
+the hosts allow meets it'
+    >>> over_budget(120.0, 300) is None
+    True
+    """
+    if forecast_ms <= budget_ms:
+        return None
+    return (
+        f"the guest is predicted to notice {forecast_ms:.0f} ms, {forecast_ms - budget_ms:.0f} "
+        f"ms over its {budget_ms} ms budget: no plan the hosts allow meets it"
+    )
+
+
+def measured(stats: dict[str, int], guest_gap_ms: float | None = None) -> dict[str, float | None]:
+    """The downtime's parts from libvirt's completed-job statistics and the guest.
+
+    libvirt's ``downtime`` runs from the source's pause to the destination's
+    resume as libvirt saw it; ``downtime_net`` the same across both hosts'
+    clocks.  What the guest noticed beyond that is libvirt's and the guest's
+    own (resume, postcopy faults).
+
+    >>> measured({"downtime": 60, "downtime_net": 80}, 140.0)
+    {'qemu_downtime_ms': 60.0, 'libvirt_downtime_net_ms': 80.0, 'guest_ms': 140.0, \
+'beyond_qemu_ms': 80.0}
+    """
+    qemu = stats.get("downtime")
+    net = stats.get("downtime_net")
+    beyond = None
+    if guest_gap_ms is not None and qemu is not None:
+        beyond = round(guest_gap_ms - qemu, 1)
+    return {
+        "qemu_downtime_ms": float(qemu) if qemu is not None else None,
+        "libvirt_downtime_net_ms": float(net) if net is not None else None,
+        "guest_ms": guest_gap_ms,
+        "beyond_qemu_ms": beyond,
+    }
+
+
+def excess(budget_ms: int, observed_ms: float | None) -> float | None:
+    """By how much a migration exceeded its budget (None: it did not, or unmeasured).
+
+    >>> excess(300, 849.0)
+    549.0
+    >>> excess(300, 120.0) is None
+    True
+    """
+    if observed_ms is None or observed_ms <= budget_ms:
+        return None
+    return round(observed_ms - budget_ms, 1)
