@@ -363,9 +363,9 @@ class CampaignStop(Exception):
 
 
 # -- the session -----------------------------------------------------------------
-def choose(results: dict[str, dict[str, Any]], pattern: str, runs: int) -> list[Cell]:
+def choose(results: dict[str, dict[str, Any]], patterns: list[str], runs: int) -> list[Cell]:
     """The cells to run, fewest runs first (so sessions fill the matrix evenly)."""
-    todo = [c for c in cells() if fnmatch.fnmatch(c.key, pattern)]
+    todo = [c for c in cells() if any(fnmatch.fnmatch(c.key, p) for p in patterns)]
     todo = [c for c in todo if results.get(c.key, {}).get("runs", 0) < TARGET_RUNS]
     todo.sort(key=lambda c: (results.get(c.key, {}).get("runs", 0), c.key))
     return [c for c in todo for _ in range(runs)]
@@ -379,7 +379,11 @@ def main(argv: list[str] | None = None) -> int:
         default=12.0,
         help="stop starting runs after this many minutes (lab lock holds)",
     )
-    parser.add_argument("--cells", default="*", help="glob over mode/transport/fault/point")
+    parser.add_argument(
+        "--cells",
+        action="append",
+        help="glob over mode/transport/fault/point (repeatable; default all)",
+    )
     parser.add_argument("--runs", type=int, default=1, help="runs per chosen cell this session")
     parser.add_argument("--list", action="store_true", help="print the cells and exit")
     parser.add_argument("--table-only", action="store_true", help="re-render the table")
@@ -398,7 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     campaign = Campaign(lab)
     status = 0
     try:
-        for cell in choose(results, args.cells, args.runs):
+        for cell in choose(results, args.cells or ["*"], args.runs):
             if time.monotonic() >= deadline:
                 break
             started = time.monotonic()

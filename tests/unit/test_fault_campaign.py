@@ -33,6 +33,6 @@ def test_runs_accumulate_by_cell_and_losses_are_counted():
 def test_sessions_take_the_cells_with_the_fewest_runs_first():
     first, second = fc.cells()[:2]
     results = {first.key: {"runs": 3}, second.key: {"runs": fc.TARGET_RUNS}}
-    chosen = fc.choose(results, "*", 1)
+    chosen = fc.choose(results, ["*"], 1)
     assert second not in chosen  # done
     assert chosen[-1] == first  # every other cell has 0 runs
