@@ -12,8 +12,10 @@ and forth by precopy through the agents:
   demotes it before the job, re-offloads it on the destination);
 - ``onloaded``: no rule offloads anything (plain vSwitch on both hosts).
 
-Per run: packets lost during the move (the sender's count minus the
-receiver's socket count); re-offload delay (the destination extension's
+Per run: packets lost during the move, by the receiver's sequence numbers
+(udpgen numbers every datagram: the numbers that never arrived, in how many
+runs, the longest run as milliseconds of outage at RATE, and duplicates);
+re-offload delay (the destination extension's
 ``offloaded_at`` minus the moment its agent saw the incoming domain run); the
 destination's total for the flow against the sender's count (source counts
 carried over, the source forgets); convergence: first UDP packet reaching the
@@ -26,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -130,7 +133,8 @@ def one_run(lab, services, receiver, guest, case: str, sport: int, to: str) -> d
     before = tap_flow(services[frm].status(), sport)
     result = migrate_cli.migrate(lab, guest.name, to, mode="precopy", show=False)
     sent = guest.udpgen_result(f"b{sport}", timeout=90)["sent_packets"]
-    received = recv.result()["received_packets"]
+    got = recv.result()
+    received = got["received_packets"]
     out, _ = capture.communicate(timeout=SECONDS + 60)
     seen = json.loads(out)
     time.sleep(1.5)  # the destination's last poll and OVS revalidator pass
@@ -148,7 +152,11 @@ def one_run(lab, services, receiver, guest, case: str, sport: int, to: str) -> d
         "offloaded_after": after is not None and after["state"] == "offloaded",
         "sent": sent,
         "received": received,
-        "lost": sent - received,
+        "lost": sent - got["unique_packets"],
+        "missing_runs": got["missing_runs"],
+        "longest_outage_ms": round(got["longest_missing_run"] * 1000 / RATE, 1),
+        "duplicates": got["duplicates"],
+        "late": got["late"],
         "dest_total": after["packets"] if after else None,
         "source_forgot": tap_flow(services[frm].status(), sport) is None,
         "reoffload_delays_s": summary.get("reoffload_delays_s", []),
@@ -159,11 +167,11 @@ def one_run(lab, services, receiver, guest, case: str, sport: int, to: str) -> d
     }
 
 
-def _med_max(values: list[float]) -> str:
+def _med_max(values: list[float], fmt: str = ".3f") -> str:
     values = [v for v in values if v is not None]
     if not values:
         return "-"
-    return f"{statistics.median(values):.3f} / {max(values):.3f}"
+    return f"{statistics.median(values):{fmt}} / {max(values):{fmt}}"
 
 
 def table(runs: list[dict], command: str) -> str:
@@ -178,10 +186,11 @@ def table(runs: list[dict], command: str) -> str:
         "endpoint on host B; the VM migrated by precopy through the agents, A<->B in turn, "
         "cases interleaved in one run (tests/bench/offload_migration.py).",
         "",
-        "| case | runs | lost packets med / max | re-offload after resume s med / max "
+        "| case | runs | lost packets med / max | longest outage ms med / max "
+        "| duplicates | re-offload after resume s med / max "
         "| first packet at receiver after resume s med / max | RARP after resume s "
         "med / max | dest total = sent (loss-free) | dest total <= sent | source forgot |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     medians = {}
     for case in CASES:
@@ -195,6 +204,8 @@ def table(runs: list[dict], command: str) -> str:
         never_more = all(r["dest_total"] is not None and r["dest_total"] <= r["sent"] for r in rs)
         lines.append(
             f"| {case} | {len(rs)} | {statistics.median(lost):.0f} / {max(lost)} "
+            f"| {_med_max([r['longest_outage_ms'] for r in rs], '.1f')} "
+            f"| {sum(r['duplicates'] for r in rs)} "
             f"| {_med_max(delays)} | {_med_max([r['first_packet_after_resume_s'] for r in rs])} "
             f"| {_med_max([r['rarp_after_resume_s'] for r in rs])} "
             f"| {sum(exact)}/{len(exact)} | {never_more} "
@@ -220,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     command = ".venv/bin/python -m tests.bench.offload_migration " + (
         " ".join(argv if argv is not None else sys.argv[1:])
     )
+    load_before = os.getloadavg()
     lab = Lab()
     lab.down()
     lab.up(2)
@@ -241,7 +253,13 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run)
     finally:
         lab.down()
+    loads = (load_before, os.getloadavg())
     text = table(runs, command.strip())
+    text += (
+        "\nLoad average (1/5/15 min) before the lab came up and at its end: "
+        + "; ".join("/".join(f"{v:.2f}" for v in load) for load in loads)
+        + ".\n"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     args.out.with_suffix(".json").write_text(json.dumps(runs, indent=1))

@@ -184,6 +184,13 @@ def check_counted_once(services, to, frm, sport, sent, received, port):
     return flow
 
 
+def received_once(recv):
+    """What arrived, by the sender's sequence numbers: no datagram twice."""
+    got = recv.result()
+    assert got["duplicates"] == 0 and got["unique_packets"] == got["received_packets"], got
+    return got["received_packets"]
+
+
 def run_migration(lab, services, guest, receiver, sport, mode, to, frm, bandwidth_mib=0):
     recv = start_traffic(guest, receiver, sport, seconds=25)
     try:
@@ -215,7 +222,7 @@ def _migrate_with_traffic(lab, services, guest, recv, sport, how, to, frm):
     # part already exceeds what the source offloaded before the move.
     assert after["offloaded_packets"] >= before["offloaded_packets"]
     sent = guest.udpgen_result(f"s{sport}", timeout=60)["sent_packets"]
-    received = recv.result()["received_packets"]
+    received = received_once(recv)
     flow = check_counted_once(services, to, frm, sport, sent, received, before["owner"])
     summary = result["offload"]
     print(
@@ -286,7 +293,7 @@ def _fail_a_migration(lab, services, guest, recv, sport, here, there):
     assert mig["state"] == "restored" and mig["reason"].startswith("migration to")
     assert flow_of(services[there].status(), sport) is None  # the destination dropped it
     sent = guest.udpgen_result(f"s{sport}", timeout=60)["sent_packets"]
-    received = recv.result()["received_packets"]
+    received = received_once(recv)
     time.sleep(1.5)
     total = flow_of(services[here].status(), sport)["packets"]
     assert received <= total <= sent

@@ -212,9 +212,8 @@ def test_both_paths_plan_the_same(tmp_path, monkeypatch, guest, dest_free_mib, m
     assert agent.knobs == nova.knobs
     assert agent.features == nova.features
     assert agent.guest_downtime == nova.guest_downtime
-    # Both hosts run libvirt 11.3 and QEMU 10.0: a postcopy plan gets the
-    # preempt channel, a precopy one does not, on either path.
-    assert nova.knobs.postcopy_preempt == (mode == "postcopy")
+    # Both hosts run libvirt 11.3: the switchover hint (libvirt 11.1) on either path.
+    assert nova.knobs.avail_switchover_mib == agent.knobs.avail_switchover_mib > 0
 
 
 def test_both_paths_refuse_the_same_vm_with_the_same_reasons(tmp_path, monkeypatch):

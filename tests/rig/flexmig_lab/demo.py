@@ -38,8 +38,10 @@ ELEPHANT_PPS = 20_000
 DEMO_POLICY = """\
 capacity: 64
 header_rules: []
-statistics: {window_s: 0.5, promote_pps: 2000, demote_pps: 200, demote_intervals: 5}
+statistics: {window_s: 0.5, promote_pps: 2000, demote_pps: 200, demote_intervals: 100}
 """
+# Demoted only after 100 quiet polls (10 s at the lab's 0.1 s): the flow is still on the fast
+# path when its counters are shown, a second or two after the burst.
 POLICY_RELOAD_S = 1.5  # SIGHUP to applied: one poll interval, with room
 
 
@@ -197,13 +199,17 @@ def show_promoted_flow(lab: Lab) -> bool:
         if f["match"]["tp_dst"] == FLOW_PORT
     ]
     state = flows[0]["state"] if flows else "not tracked"
+    fast = int(flows[0].get("offloaded_packets", 0)) if flows else 0
     print(f"   sent {count:,} datagrams s1 -> r1 at {ELEPHANT_PPS:,}/s, received {received:,}")
     print(f"   flow state: {state} ({flows[0]['reason'] if flows else ''}); policy: promote "
           "above 2,000 packets/s")  # fmt: skip
+    print(f"   {fast:,} of its packets went by the XDP fast path")
     print(f"   $ ovs-ofctl dump-flows br-int-offload udp,tp_dst={FLOW_PORT}")
     for line in service.dump_flows(f"udp,tp_dst={FLOW_PORT}").splitlines():
         print(f"   {line.strip()}")
-    return state == "offloaded"
+    # Promoted and carried by XDP: a flow demoted by a stall after the burst
+    # was still offloaded, which is what this step shows.
+    return fast > 0
 
 
 def run(keep: bool = False) -> int:

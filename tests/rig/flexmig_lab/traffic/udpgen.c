@@ -10,6 +10,13 @@
  *
  * Batches of datagrams go through one sendmmsg/recvmmsg syscall each.  Both
  * print one JSON object on stdout at the end; exit status 0 or 1 on error.
+ *
+ * Sequence numbers: the socket sender starts every datagram of 12 bytes or
+ * more with a magic and its 64-bit sequence number (0, 1, ...).  The sink
+ * reports, of the datagrams that carry one, how many distinct numbers came,
+ * duplicates, late arrivals, and the missing numbers below the highest seen
+ * (count, ranges, longest range): loss and duplication per packet, e.g.
+ * across a live migration, not only a difference of two totals.
  * The sender retries a batch the kernel could not take (ENOBUFS/EAGAIN) so
  * "--count N" means exactly N datagrams left the socket.
  *
@@ -40,6 +47,9 @@
 
 #define MAX_BATCH 256
 #define MAX_PAYLOAD 65507
+#define SEQ_MAGIC 0x464d5351u /* "FMSQ" */
+#define SEQ_HEADER 12 /* magic (4) + sequence number (8), network order */
+#define SEQ_MAX (1u << 24) /* numbers the sink tracks: a 2 MiB bitmap */
 
 struct options {
 	const char *mode;
@@ -65,6 +75,90 @@ struct totals {
 	double first;
 	double last;
 };
+
+/* What the sink saw of the sender's sequence numbers. */
+struct seqs {
+	uint8_t *seen; /* bitmap of SEQ_MAX numbers, allocated at the first one */
+	uint64_t sequenced;
+	uint64_t unique;
+	uint64_t duplicates;
+	uint64_t late; /* below the highest number seen before it */
+	uint64_t beyond; /* numbers >= SEQ_MAX: counted, not tracked */
+	int64_t highest;
+};
+
+static void seq_stamp(uint8_t *hdr, uint64_t seq)
+{
+	uint32_t magic = htonl(SEQ_MAGIC);
+	uint32_t hi = htonl((uint32_t)(seq >> 32)), lo = htonl((uint32_t)seq);
+
+	memcpy(hdr, &magic, 4);
+	memcpy(hdr + 4, &hi, 4);
+	memcpy(hdr + 8, &lo, 4);
+}
+
+static int seq_note(struct seqs *q, const uint8_t *buf, size_t len)
+{
+	uint32_t magic, hi, lo;
+	uint64_t seq;
+
+	if (len < SEQ_HEADER)
+		return 0;
+	memcpy(&magic, buf, 4);
+	if (ntohl(magic) != SEQ_MAGIC)
+		return 0;
+	memcpy(&hi, buf + 4, 4);
+	memcpy(&lo, buf + 8, 4);
+	seq = (uint64_t)ntohl(hi) << 32 | ntohl(lo);
+	q->sequenced++;
+	if (seq >= SEQ_MAX) {
+		q->beyond++;
+		return 0;
+	}
+	if (!q->seen) {
+		q->seen = calloc(SEQ_MAX / 8, 1);
+		if (!q->seen)
+			return -ENOMEM;
+		q->highest = -1;
+	}
+	if (q->seen[seq / 8] & (1u << (seq % 8))) {
+		q->duplicates++;
+		return 0;
+	}
+	q->seen[seq / 8] |= (uint8_t)(1u << (seq % 8));
+	q->unique++;
+	if ((int64_t)seq < q->highest)
+		q->late++;
+	else
+		q->highest = (int64_t)seq;
+	return 0;
+}
+
+/* Missing numbers below the highest seen: how many, in how many runs, the longest. */
+static void seq_report(const struct seqs *q)
+{
+	uint64_t missing = 0, runs = 0, longest = 0, run = 0;
+	int64_t i;
+
+	for (i = 0; q->seen && i <= q->highest; i++) {
+		if (q->seen[i / 8] & (1u << (i % 8))) {
+			run = 0;
+			continue;
+		}
+		missing++;
+		if (!run++)
+			runs++;
+		if (run > longest)
+			longest = run;
+	}
+	printf(", \"sequenced_packets\": %llu, \"unique_packets\": %llu, \"duplicates\": %llu, "
+	       "\"late\": %llu, \"highest_seq\": %lld, \"missing\": %llu, \"missing_runs\": %llu, "
+	       "\"longest_missing_run\": %llu, \"untracked\": %llu",
+	       (unsigned long long)q->sequenced, (unsigned long long)q->unique,
+	       (unsigned long long)q->duplicates, (unsigned long long)q->late,
+	       (long long)(q->seen ? q->highest : -1), (unsigned long long)missing,
+	       (unsigned long long)runs, (unsigned long long)longest, (unsigned long long)q->beyond);
+}
 
 static double now(void)
 {
@@ -294,19 +388,25 @@ static int send_batch(int fd, struct mmsghdr *msgs, unsigned int n)
 static int run_send(const struct options *o, struct totals *t)
 {
 	static char payload[MAX_PAYLOAD];
+	static uint8_t hdrs[MAX_BATCH][SEQ_HEADER];
 	struct mmsghdr msgs[MAX_BATCH];
 	struct iovec iov = { .iov_base = payload, .iov_len = o->size };
+	struct iovec seq_iovs[MAX_BATCH][2];
 	double end, next;
 	unsigned int i, n;
-	int fd, err = 0;
+	int fd, err = 0, stamped;
 
 	fd = o->raw_if ? open_raw(o, (uint8_t *)payload, &iov.iov_len) : open_socket(o, o->sport);
 	if (fd < 0)
 		return fd;
+	/* Raw frames are prebuilt whole, one for all: only the socket path numbers them. */
+	stamped = !o->raw_if && o->size >= SEQ_HEADER;
 	memset(msgs, 0, sizeof(msgs));
 	for (i = 0; i < o->batch; i++) {
-		msgs[i].msg_hdr.msg_iov = &iov;
-		msgs[i].msg_hdr.msg_iovlen = 1;
+		seq_iovs[i][0] = (struct iovec){ .iov_base = hdrs[i], .iov_len = SEQ_HEADER };
+		seq_iovs[i][1] = (struct iovec){ .iov_base = payload, .iov_len = stamped ? o->size - SEQ_HEADER : 0 };
+		msgs[i].msg_hdr.msg_iov = stamped ? seq_iovs[i] : &iov;
+		msgs[i].msg_hdr.msg_iovlen = stamped ? 2 : 1;
 	}
 	t->first = now();
 	end = o->duration > 0 ? t->first + o->duration : 0;
@@ -321,6 +421,8 @@ static int run_send(const struct options *o, struct totals *t)
 			sleep_until(next);
 			next += (double)n / o->rate;
 		}
+		for (i = 0; stamped && i < n; i++)
+			seq_stamp(hdrs[i], t->packets + i);
 		err = send_batch(fd, msgs, n);
 		if (err)
 			goto out;
@@ -333,7 +435,7 @@ out:
 	return err;
 }
 
-static int run_recv(const struct options *o, struct totals *t)
+static int run_recv(const struct options *o, struct totals *t, struct seqs *q)
 {
 	static char bufs[MAX_BATCH][2048];
 	struct mmsghdr msgs[MAX_BATCH];
@@ -382,8 +484,12 @@ static int run_recv(const struct options *o, struct totals *t)
 		}
 		if (!t->packets)
 			t->first = now();
-		for (i = 0; i < rc; i++)
+		for (i = 0; i < rc; i++) {
 			t->bytes += msgs[i].msg_len;
+			err = seq_note(q, (const uint8_t *)bufs[i], msgs[i].msg_len);
+			if (err)
+				goto out;
+		}
 		t->packets += rc;
 		t->last = now();
 	}
@@ -396,6 +502,7 @@ int main(int argc, char **argv)
 {
 	struct options o = { 0 };
 	struct totals t = { 0 };
+	struct seqs q = { 0 };
 	const char *prefix;
 	double seconds;
 	int err;
@@ -407,7 +514,7 @@ int main(int argc, char **argv)
 		err = run_send(&o, &t);
 		prefix = "sent";
 	} else {
-		err = run_recv(&o, &t);
+		err = run_recv(&o, &t, &q);
 		prefix = "received";
 	}
 	if (err) {
@@ -415,8 +522,12 @@ int main(int argc, char **argv)
 		return 1;
 	}
 	seconds = t.last > t.first ? t.last - t.first : 0;
-	printf("{\"%s_packets\": %llu, \"%s_bytes\": %llu, \"seconds\": %.6f, \"pps\": %.0f}\n",
+	printf("{\"%s_packets\": %llu, \"%s_bytes\": %llu, \"seconds\": %.6f, \"pps\": %.0f",
 	       prefix, (unsigned long long)t.packets, prefix, (unsigned long long)t.bytes, seconds,
 	       seconds > 0 ? t.packets / seconds : 0.0);
+	if (strcmp(o.mode, "send"))
+		seq_report(&q);
+	printf("}\n");
+	free(q.seen);
 	return 0;
 }
