@@ -174,6 +174,7 @@ class Campaign:
         self.lab = lab
         self.guests: dict[str, str] = {}  # memory kind -> VM name
         self.budgets: dict[str, int] = {}
+        self.files_before: set[str] = set()
 
     def budget(self, host: str, mb: int) -> None:
         """Set a host's VM budget (restarting its agent) only when it changes."""
@@ -198,6 +199,7 @@ class Campaign:
         dst = "B" if src == "A" else "A"
         self.budget(dst, SPLIT_BUDGET_MB if cell.mode == "split" else FULL_BUDGET_MB)
         request = dict(mode=cell.mode, transport=cell.transport, bandwidth_mib=BANDWIDTH_MIB)
+        self.files_before = self.mover_files()
         try:
             _, agent, mid = migrate_cli.start(self.lab, name, dst, **request)
         except exceptions.FlexMigError as exc:
@@ -243,8 +245,8 @@ class Campaign:
         side = "src" if "-src-" in fault else "dst"
         if fault.endswith("-agent"):
             host[side].ns.run(["pkill", "-KILL", "-f", "agents.agent.service"], check=False)
-            time.sleep(1.0)
-            host[side].start_agent()
+            time.sleep(1.0)  # systemd's restart delay, roughly
+            restart_agent(host[side])
         elif fault.endswith("-mover"):
             host[side].ns.run(["pkill", "-KILL", "-f", "flexmig-mover"], check=False)
         elif fault.startswith("cut-"):
@@ -335,19 +337,25 @@ class Campaign:
                 busy = True  # its libvirtd is (re)starting
         return found, busy
 
+    def mover_files(self) -> set[str]:
+        """The movers' state files on every host (their logs are diagnostics, kept)."""
+        found = set()
+        for host in self.lab.hosts():
+            state = host.ns.root_path(AGENT_STATE_DIR)
+            if state.exists():
+                found |= {f"{host.name}:{p.name}" for p in state.glob("mover-*")}
+        return {f for f in found if not f.endswith(".log")}
+
     def leftovers(self, name: str, where: str) -> list[str]:
         found = []
+        stray = sorted(self.mover_files() - self.files_before)
+        if stray:
+            found.append(f"mover files {stray[:3]}")
         for host in self.lab.hosts():
-            reservation = self.lab.agent(host.name).get(f"/v1/split/{name}")["reservation"]
-            if reservation is not None and host.name != where:
-                found.append(f"reservation on {host.name}")
+            found += self.agent_leftovers(host.name, name, where)
             movers = host.ns.run(["pgrep", "-f", "flexmig-mover"], check=False).stdout.split()
             if movers:
                 found.append(f"{len(movers)} mover process(es) on {host.name}")
-            state = host.ns.root_path(AGENT_STATE_DIR)
-            stray = [p.name for p in state.glob("mover-*")] if state.exists() else []
-            if stray:
-                found.append(f"mover files on {host.name}: {stray[:3]}")
             if host.name != where:
                 group = CGROUP_ROOT / f"lab-{host.name.lower()}" / name
                 if group.exists():
@@ -356,6 +364,23 @@ class Campaign:
                 if files:
                     found.append(f"store files on {host.name}: {[p.name for p in files[:3]]}")
         return found
+
+    def agent_leftovers(self, host: str, name: str, where: str) -> list[str]:
+        """A reservation left on the host the VM is not on; an agent that is not
+        answering after the run is a finding too (and is started again)."""
+        try:
+            reservation = self.lab.agent(host).get(f"/v1/split/{name}")["reservation"]
+        except exceptions.FlexMigError as exc:
+            restart_agent(self.lab.host(host))
+            return [f"agent on {host} not answering after the run ({exc})"]
+        return [f"reservation on {host}"] if reservation is not None and host != where else []
+
+
+def restart_agent(host: Any) -> None:
+    """Start a killed agent again: its socket file outlives it, and the lab
+    takes an existing socket for a running agent."""
+    host.agent_socket.unlink(missing_ok=True)
+    host.start_agent()
 
 
 class CampaignStop(Exception):
