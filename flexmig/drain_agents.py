@@ -1,9 +1,12 @@
 """A drain through the FlexMig agents: their facts in, their migrations out.
 
-The source host's agent reports every running VM with its fitted dirty model
-and probes the fabric to each destination (``POST /v1/inventory``); each
-destination's agent reports the RAM and store it offers (``/v1/facts``); the
-plan's migrations are started on the source agent with the plan's mode.
+The source host's agent reports every running VM with the engine's facts
+(memory, dirty-rate samples and the model fitted to them) and its
+``[migration]`` options, and probes the fabric to each destination
+(``POST /v1/inventory``); each destination's agent reports the RAM and store
+it offers (``/v1/facts``).  Each planned move is then the engine's request
+with the plan's mode, started on the source agent, whose engine plans it
+again on the same samples (``inventory.SampleCache``).
 """
 
 from __future__ import annotations
@@ -13,7 +16,10 @@ import statistics
 from typing import Any
 
 from flexmig import drain_run, exceptions
+from flexmig.migration.facts import GuestMemory, VmFacts
+from flexmig.migration.options import EngineOptions
 from flexmig.policy import drain
+from flexmig.policy.decision import MODES
 from flexmig.policy.dirty_model import DirtyModel
 
 MIB = 2**20
@@ -49,18 +55,49 @@ class Inputs:
     candidates: list[drain.Candidate]
     fabric: drain.Fabric
     unreadable: dict[str, str]  # VMs the source could not describe, with why
+    options: EngineOptions = dataclasses.field(default_factory=EngineOptions)
 
 
-def vm_from_inventory(entry: dict[str, Any], max_downtime_ms: int) -> drain.DrainVM:
-    dirty = entry["dirty"]
-    return drain.DrainVM(
-        name=entry["name"],
-        ram_bytes=int(entry["ram_bytes"]),
-        resident_bytes=int(entry["resident_bytes"]),
-        dirty=DirtyModel(float(dirty["m_pages"]), float(dirty["tau_s"])),
-        file_backed=bool(entry["file_backed"]),
-        postcopy_blocker=entry.get("postcopy_blocker"),
-        max_downtime_ms=max_downtime_ms,
+def vm_from_inventory(entry: dict[str, Any], max_downtime_ms: int | None = None) -> drain.DrainVM:
+    """The engine's facts of one VM from the inventory; another shape is a backend error.
+
+    >>> entry = {"name": "v", "paused": False, "samples": [[1, 0], [2, 0]],
+    ...          "dirty": {"m_pages": 0, "tau_s": 1},
+    ...          "memory": {"ram_bytes": 2**28, "resident_bytes": 2**26, "backing": "file",
+    ...                     "backing_fs": "ext4", "passthrough": False}}
+    >>> vm = vm_from_inventory(entry)
+    >>> vm.name, vm.file_backed, vm.facts.memory.backing_fs, vm.facts.dirty_samples
+    ('v', True, 'ext4', ((1.0, 0.0), (2.0, 0.0)))
+    """
+    try:
+        mem, dirty = entry["memory"], entry["dirty"]
+        facts = VmFacts(
+            name=str(entry["name"]),
+            memory=GuestMemory(
+                ram_bytes=int(mem["ram_bytes"]),
+                resident_bytes=int(mem["resident_bytes"]),
+                backing=str(mem["backing"]),
+                backing_fs=mem.get("backing_fs"),
+                passthrough=bool(mem["passthrough"]),
+            ),
+            dirty_samples=tuple((float(t), float(n)) for t, n in entry["samples"]),
+            paused=bool(entry.get("paused", False)),
+        )
+        model = DirtyModel(float(dirty["m_pages"]), float(dirty["tau_s"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise exceptions.BackendError(
+            backend="source agent", reason=f"inventory entry not in the API's shape: {exc!r}"
+        ) from exc
+    return drain.DrainVM(facts, model, max_downtime_ms)
+
+
+def options_from(inventory: dict[str, Any]) -> EngineOptions:
+    """The source engine's options the plan must keep (its allowed modes, budget, first rate)."""
+    allowed = tuple(m for m in inventory.get("allowed_modes", MODES) if m in MODES)
+    return EngineOptions(
+        max_downtime_ms=int(inventory["max_downtime_ms"]),
+        allowed_modes=allowed or MODES,
+        stream_bandwidth_mib=max(1, int(inventory["initial_stream_bps"]) // MIB),
     )
 
 
@@ -115,42 +152,33 @@ def gather(
     reachable = [(d, candidate_from_agent(d)) for d in destinations]
     probe = [{"address": d.address, "port": d.port} for d, c in reachable if c.refusal is None]
     inventory = source.agent.post("/v1/inventory", {"probe": probe}, timeout=120.0)
-    downtime = max_downtime_ms or int(inventory["max_downtime_ms"])
     vms, unreadable = [], {}
     for entry in inventory["vms"]:
         if "error" in entry:
             unreadable[entry["name"]] = f"the source could not describe it: {entry['error']}"
-        else:
-            vms.append(vm_from_inventory(entry, downtime))
+            continue
+        try:
+            vms.append(vm_from_inventory(entry, max_downtime_ms))
+        except exceptions.BackendError as exc:
+            unreadable[str(entry.get("name"))] = str(exc)
     return Inputs(
         vms=vms,
         candidates=[c for _, c in reachable],
         fabric=fabric_from(inventory["links"], float(inventory["initial_stream_bps"]), link_mib),
         unreadable=unreadable,
+        options=options_from(inventory),
     )
 
 
 class AgentBackend:
-    """Starts each planned migration on the source agent with the plan's mode."""
+    """Starts each planned move on the source agent: the engine's request, the plan's mode."""
 
-    def __init__(
-        self,
-        source: HostEndpoint,
-        destinations: list[HostEndpoint],
-        max_downtime_ms: int | None = None,
-    ) -> None:
+    def __init__(self, source: HostEndpoint, destinations: list[HostEndpoint]) -> None:
         self.source = source
         self.destinations = {d.name: d for d in destinations}
-        self.max_downtime_ms = max_downtime_ms  # None: the agent's configured budget
 
     def start(self, move: drain.Move) -> str:
-        body = {
-            "vm": move.vm,
-            "mode": move.mode,
-            "dest": self.destinations[move.dest].dest_body(),
-        }
-        if self.max_downtime_ms:
-            body["max_downtime_ms"] = self.max_downtime_ms
+        body = {**move.request().to_body(), "dest": self.destinations[move.dest].dest_body()}
         return str(self.source.agent.post("/v1/migrations", body)["id"])
 
     def poll(self, handle: str, move: drain.Move) -> drain_run.Status:

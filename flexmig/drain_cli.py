@@ -7,6 +7,7 @@ bad and lost pages).
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 from collections.abc import Callable
 from typing import Any
@@ -43,17 +44,12 @@ def prepare(
     src, _ = lab.destination(source)
     dests = [h for name, h in hosts.items() if name != src]
     inputs = drain_agents.gather(hosts[src], dests, max_downtime_ms, link_mib)
-    plan = drain.plan(src, inputs.vms, inputs.candidates, inputs.fabric, max_concurrency)
+    plan = drain.plan(
+        src, inputs.vms, inputs.candidates, inputs.fabric, max_concurrency, inputs.options
+    )
     if inputs.unreadable:
-        plan = drain.DrainPlan(
-            plan.source,
-            plan.concurrency,
-            plan.moves,
-            {**plan.unplaceable, **inputs.unreadable},
-            plan.alternatives,
-            plan.fabric,
-        )
-    backend = drain_agents.AgentBackend(hosts[src], dests, max_downtime_ms)
+        plan = dataclasses.replace(plan, unplaceable={**plan.unplaceable, **inputs.unreadable})
+    backend = drain_agents.AgentBackend(hosts[src], dests)
     return plan, inputs, backend
 
 

@@ -256,9 +256,16 @@ class DrainRun:
 
     def _replan(self, vm: str, factor: float) -> None:
         remaining = [self.vms[m.vm] for m in self.pending]
-        again = drain.replan(
-            self.plan, remaining, self.candidates, self.started, factor, self.max_concurrency
-        )
+        try:
+            again = drain.replan(
+                self.plan, remaining, self.candidates, self.started, factor, self.max_concurrency
+            )
+        except exceptions.FlexMigError as exc:
+            # Migrations are running: the drain goes on with the plan it has.
+            text = f"at {self._now():.1f} s {vm} ran {factor:.1f}x slower; re-plan failed: {exc}"
+            self.replans.append(text)
+            self.on_event(f"drain: {text}")
+            return
         for name, why in again.unplaceable.items():
             self.outcomes[name] = drain.Outcome(name, "unplaceable", note=f"after re-plan: {why}")
         before = self.concurrency

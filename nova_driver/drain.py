@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from flexmig import drain_agents, drain_run, exceptions
+from flexmig.migration.options import EngineOptions
 from flexmig.policy import drain
 from flexmig.policy.dirty_model import DirtyModel
 
@@ -97,14 +98,14 @@ def compute_hosts(api: NovaAPI, source: str) -> list[str]:
     )
 
 
-def _from_flavor(server: Server, max_downtime_ms: int) -> drain.DrainVM:
-    return drain.DrainVM(
+def _from_flavor(server: Server, max_downtime_ms: int | None) -> drain.DrainVM:
+    """Fully resident and idle, anonymous memory: only its timing is planned from this
+    (the FlexMig driver on the source decides its mode when Nova migrates it)."""
+    return drain.DrainVM.sized(
         server.instance_name,
         server.ram_bytes,
         server.ram_bytes,
         DirtyModel(0.0, 1.0),
-        file_backed=False,
-        postcopy_blocker="unknown to the source's FlexMig agent",
         max_downtime_ms=max_downtime_ms,
     )
 
@@ -113,7 +114,7 @@ def gather(
     api: NovaAPI,
     source: str,
     agent_for: Callable[[str], Any | None],
-    max_downtime_ms: int = 300,
+    max_downtime_ms: int | None = None,
     link_mib: int = 0,
 ) -> NovaInputs:
     """Servers and hosts from Nova, facts from the agents that answer."""
@@ -127,18 +128,26 @@ def gather(
         candidates.append(
             drain_agents.candidate_from_agent(drain_agents.HostEndpoint(host, agent, "", 0, "", ""))
         )
-    inventory: dict[str, Any] = {"vms": [], "links": {}, "initial_stream_bps": 256 * MIB}
+    inventory: dict[str, Any] = {
+        "vms": [],
+        "links": {},
+        "initial_stream_bps": EngineOptions().stream_bandwidth_mib * MIB,
+        "max_downtime_ms": EngineOptions().max_downtime_ms,
+    }
     source_agent = agent_for(source)
     if source_agent is not None:
         try:
             inventory = source_agent.post("/v1/inventory", {"probe": []}, timeout=120.0)
         except exceptions.FlexMigError as exc:
             warnings.append(f"the source's agent gave no inventory ({exc})")
-    described = {
-        e["name"]: drain_agents.vm_from_inventory(e, max_downtime_ms)
-        for e in inventory["vms"]
-        if "error" not in e and e["name"] in servers
-    }
+    described = {}
+    for entry in inventory["vms"]:
+        if "error" in entry or entry.get("name") not in servers:
+            continue
+        try:
+            described[entry["name"]] = drain_agents.vm_from_inventory(entry, max_downtime_ms)
+        except exceptions.BackendError as exc:
+            warnings.append(str(exc))
     vms = []
     for name, server in servers.items():
         if name not in described:
@@ -149,7 +158,8 @@ def gather(
     fabric = drain_agents.fabric_from(
         inventory["links"], float(inventory["initial_stream_bps"]), link_mib
     )
-    return NovaInputs(servers, drain_agents.Inputs(vms, candidates, fabric, {}), warnings)
+    options = drain_agents.options_from(inventory)
+    return NovaInputs(servers, drain_agents.Inputs(vms, candidates, fabric, {}, options), warnings)
 
 
 def concurrency_limit(nova_limit: int, wanted: int, raise_limit: bool) -> tuple[int, str | None]:
@@ -238,7 +248,7 @@ def drain_host(
         LOG.warning("drain %s: %s", source, text)
         on_event(f"WARNING: {text}")
     inputs = gathered.inputs
-    plan = drain.plan(source, inputs.vms, inputs.candidates, inputs.fabric, limit)
+    plan = drain.plan(source, inputs.vms, inputs.candidates, inputs.fabric, limit, inputs.options)
     if limit < max_concurrency:
         on_event(
             f"drain: at most {limit} at once (Nova's max_concurrent_live_migrations); "

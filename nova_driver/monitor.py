@@ -25,7 +25,7 @@ from nova.virt.libvirt import migration as libvirt_migrate
 from oslo_log import log as logging
 
 from flexmig import exceptions, hypervisor
-from flexmig.migration import controller
+from flexmig.migration import controller, downtime
 from flexmig.migration.controller import Action, Controller
 from flexmig.migration.planner import Plan
 
@@ -53,6 +53,23 @@ def job_stats(info: Any) -> dict[str, int]:
         "memory_total": info.memory_total,
         "memory_bps": info.memory_bps,
     }
+
+
+def completion_summary(plan: Plan, downtime_ms: int | None) -> tuple[str, bool]:
+    """The log line a completed migration ends with, and whether its budget was exceeded.
+
+    QEMU's downtime is a floor of what the guest noticed: a budget it alone
+    exceeds is never left unsaid.
+    """
+    excess = downtime.excess(plan.downtime_budget_ms, downtime_ms)
+    text = (
+        f"FlexMig {plan.decision.mode} migration has completed: QEMU downtime "
+        f"{downtime_ms if downtime_ms is not None else 'unknown'} ms, the guest's predicted "
+        f"{plan.guest_downtime.total_ms:.0f} ms, budget {plan.downtime_budget_ms} ms"
+    )
+    if excess is not None:
+        text += f"; the budget was EXCEEDED by {excess:.0f} ms"
+    return text, excess is not None
 
 
 def _percent_remaining(info: Any) -> int:
@@ -108,7 +125,8 @@ class PlanMonitor:
             if info.type == lv.VIR_DOMAIN_JOB_UNBOUNDED:
                 self._running(instance, guest, info, on_failure)
             elif info.type == lv.VIR_DOMAIN_JOB_COMPLETED:
-                LOG.info("FlexMig %s migration has completed", self.plan.decision.mode)
+                text, exceeded = completion_summary(self.plan, getattr(info, "downtime", None))
+                (LOG.warning if exceeded else LOG.info)("%s", text, instance=instance)
                 if info.memory_total:
                     libvirt_migrate.save_stats(instance, migration, info, 0)
                 on_done(info)

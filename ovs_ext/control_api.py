@@ -38,6 +38,7 @@ class ControlAPI:
         r = self.router
         r.add("POST", "/v1/migrations/depart", self.depart)
         r.add("POST", "/v1/migrations/arrive", self.arrive)
+        r.add("POST", f"/v1/migrations/{ID}/records", self.records)
         r.add("POST", f"/v1/migrations/{ID}/resume", self.resume)
         r.add("POST", f"/v1/migrations/{ID}/finish", self.finish)
         r.add("POST", f"/v1/migrations/{ID}/settle", self.settle)
@@ -85,6 +86,14 @@ class ControlAPI:
         with self.rt.lock:
             mig = self.migrations.arrive(body["migration_id"], ports, body["peer"][:100], records)
             shown = mig.as_dict()
+        self._write_status()
+        return 200, {"migration": shown}
+
+    def records(self, body: dict[str, Any], m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {"flows": list})
+        records = [migration.FlowTransfer.from_wire(_obj(r)) for r in body["flows"]]
+        with self.rt.lock:
+            shown = self.migrations.add_records(m["id"], records).as_dict()
         self._write_status()
         return 200, {"migration": shown}
 

@@ -259,22 +259,30 @@ class FlowMigrations:
         self, migration_id: str, ports: Iterable[str], peer: str, records: list[FlowTransfer]
     ) -> FlowMigration:
         """Know and judge the VM's flows before their first packet here."""
-        if len(records) > MAX_RECORDS:
-            raise exceptions.InvalidInput(
-                what="flow records", reason=f"{len(records)} > {MAX_RECORDS}"
-            )
+        ports = tuple(sorted(ports))
+        _check_records(ports, 0, records)
         mig = self._new(migration_id, Role.DESTINATION, ports, peer)
-        for record in records:
-            if mig.ports and not {record.match.in_port, record.owner} & set(mig.ports):
-                raise exceptions.InvalidInput(
-                    what="flow record", reason=f"flow of port {record.owner} is not the VM's"
-                )
-        for record in records:
-            mig.flows[record.match] = self._adopt(record, peer)
-            if record.was_offloaded:
-                mig.was_offloaded.add(record.match)
+        self._take(mig, records)
         self._stamp(mig, "arrived")
         return mig
+
+    def add_records(self, migration_id: str, records: list[FlowTransfer]) -> FlowMigration:
+        """More of an arrived migration's records: a VM with more flows than one
+        request carries sends them in parts, all before switchover."""
+        mig = self.get(migration_id, Role.DESTINATION)
+        if mig.state != "arrived":
+            raise exceptions.InvalidInput(
+                what="flow records", reason=f"migration {migration_id} is {mig.state} here"
+            )
+        _check_records(mig.ports, len(mig.flows), records)
+        self._take(mig, records)
+        return mig
+
+    def _take(self, mig: FlowMigration, records: list[FlowTransfer]) -> None:
+        for record in records:
+            mig.flows[record.match] = self._adopt(record, mig.peer)
+            if record.was_offloaded:
+                mig.was_offloaded.add(record.match)
 
     def _adopt(self, record: FlowTransfer, peer: str) -> TrackedFlow:
         direction = policy_mod.Direction(record.direction)
@@ -333,6 +341,19 @@ class FlowMigrations:
 
     def status(self) -> list[dict[str, Any]]:
         return [mig.as_dict() for mig in self.by_id.values()]
+
+
+def _check_records(ports: tuple[str, ...], held: int, records: list[FlowTransfer]) -> None:
+    """Refuse the whole part if any record is not the VM's or the total is too many."""
+    if held + len(records) > MAX_RECORDS:
+        raise exceptions.InvalidInput(
+            what="flow records", reason=f"{held + len(records)} > {MAX_RECORDS}"
+        )
+    for record in records:
+        if ports and not {record.match.in_port, record.owner} & set(ports):
+            raise exceptions.InvalidInput(
+                what="flow record", reason=f"flow of port {record.owner} is not the VM's"
+            )
 
 
 def _key(match: FlowMatch) -> str:

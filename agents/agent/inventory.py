@@ -60,18 +60,22 @@ def _one_vm(
     ram_mapping: facts.RamMappingReader,
     cache: SampleCache,
 ) -> dict[str, Any]:
-    mem = facts.read_memory(dom, host, ram_mapping)
-    samples = list(facts.sample_dirty_pages(conn, dom, host, seconds))
-    cache.put(dom.name(), samples)
-    model = dirty_model.fit(samples, max_pages=mem.ram_bytes / facts.PAGE)
+    vm = facts.read_vm(conn, dom, host, seconds, ram_mapping)
+    mem = vm.memory
+    cache.put(vm.name, list(vm.dirty_samples))
+    model = dirty_model.fit(vm.dirty_samples, max_pages=mem.ram_bytes / facts.PAGE)
     return {
-        "name": dom.name(),
+        "name": vm.name,
+        # The engine's facts (facts.VmFacts), which the drain plans each move from.
+        "memory": dataclasses.asdict(mem),
+        "paused": vm.paused,
+        "samples": [list(s) for s in vm.dirty_samples],
+        "dirty": {"m_pages": model.m_pages, "tau_s": model.tau_s},
+        # Shorthands for people reading the reply.
         "ram_bytes": mem.ram_bytes,
         "resident_bytes": mem.resident_bytes,
         "file_backed": mem.file_backed,
         "postcopy_blocker": planner.postcopy_blocker(mem),
-        "dirty": {"m_pages": model.m_pages, "tau_s": model.tau_s},
-        "samples": samples,
     }
 
 

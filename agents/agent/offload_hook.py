@@ -19,6 +19,7 @@ says so in the events and nothing else changes.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -29,6 +30,7 @@ from typing import Any
 
 import libvirt
 
+from agents.agent import api
 from agents.agent.client import AgentClient
 from flexmig import exceptions, hypervisor
 
@@ -39,6 +41,9 @@ LOG = logging.getLogger("flexmig.agent.offload")
 RESUME_POLL_S = 0.1
 RESUME_WATCH_MAX_S = 3600.0
 LOCAL_TIMEOUT_S = 10.0
+# Records travel in parts that fit one request (api.MAX_BODY) with room for the
+# other fields (a VM's port names, ids): a VM may have thousands of flows.
+PART_BYTES = api.MAX_BODY * 3 // 4
 Event = Callable[[str], None]
 
 
@@ -56,6 +61,29 @@ def vm_ports(domain_xml: str) -> list[str]:
         if target is not None and target.get("dev"):
             ports.append(target.get("dev"))
     return ports
+
+
+def parts(records: list[dict[str, Any]], budget: int = PART_BYTES) -> list[list[dict[str, Any]]]:
+    """The records in order, split so each part's JSON stays within ``budget``
+    bytes; always at least one part (an empty one for no records).
+
+    >>> [len(p) for p in parts([{"a": "x" * 10}] * 5, budget=45)]
+    [2, 2, 1]
+    >>> parts([])
+    [[]]
+    """
+    out: list[list[dict[str, Any]]] = [[]]
+    size = 2  # the list's brackets
+    for record in records:
+        length = len(json.dumps(record, separators=(",", ":"))) + 2  # ", " between
+        if length + 2 > budget:
+            raise exceptions.InvalidInput(what="flow record", reason=f"{length} bytes alone")
+        if out[-1] and size + length > budget:
+            out.append([])
+            size = 2
+        out[-1].append(record)
+        size += length
+    return out
 
 
 def count_offloaded(flows: list[dict[str, Any]]) -> int:
@@ -124,16 +152,22 @@ class OffloadHook:
             f"offload: {count_offloaded(flows)} offloaded flows of {len(flows)} demoted "
             f"to the vSwitch on {self.host} (counters carried)"
         )
+        first, *rest = parts(flows)
         try:
             reply = dest.post(
                 "/v1/offload/arrive",
                 {"migration_id": migration_id, "vm": vm, "ports": ports, "peer": self.host}
-                | {"flows": flows},
+                | {"flows": first},
             )
+            for part in rest:
+                dest.post("/v1/offload/records", {"migration_id": migration_id, "flows": part})
         except exceptions.FlexMigError as exc:
             event(f"offload: destination cannot take the flow records: {exc}")
             return True
-        event(f"offload: {len(flows)} flow records transferred; {reply.get('note', '')}".strip())
+        event(
+            f"offload: {len(flows)} flow records transferred in {1 + len(rest)} request(s); "
+            f"{reply.get('note', '')}".strip()
+        )
         return True
 
     def finish(self, migration_id: str, dest: AgentClient, event: Event) -> dict[str, Any]:
@@ -141,9 +175,10 @@ class OffloadHook:
         final = self.local("POST", f"/v1/migrations/{migration_id}/finish", {})["flows"]
         event(f"offload: {len(final)} flows forgotten on {self.host}; final counters sent")
         try:
-            view = dest.post("/v1/offload/settle", {"migration_id": migration_id, "flows": final})[
-                "migration"
-            ]
+            for part in parts(final):
+                view = dest.post(
+                    "/v1/offload/settle", {"migration_id": migration_id, "flows": part}
+                )["migration"]
         except exceptions.FlexMigError as exc:
             event(f"offload: destination did not take the final counters: {exc}")
             return {"flows": len(final), "error": str(exc)}
@@ -212,6 +247,10 @@ class OffloadHook:
         finally:
             with self.lock:
                 self.watchers.pop(migration_id, None)
+
+    def records(self, migration_id: str, flows: list) -> dict[str, Any]:
+        """More records of an arrived migration (a VM with many flows)."""
+        return self.local("POST", f"/v1/migrations/{migration_id}/records", {"flows": flows})
 
     def settle(self, migration_id: str, flows: list) -> dict[str, Any]:
         self._stop_watch(migration_id)

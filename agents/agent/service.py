@@ -95,6 +95,7 @@ class Agent:
         # A migrating VM's offloaded flows: the destination's side (from the peer
         # agent) and the source's (from this host's Nova driver).
         r.add("POST", "/v1/offload/arrive", self.offload_arrive)
+        r.add("POST", "/v1/offload/records", self.offload_records)
         r.add("POST", "/v1/offload/settle", self.offload_settle)
         r.add("POST", "/v1/offload/abandon", self.offload_abandon)
         r.add("POST", "/v1/offload/depart", self.offload_depart)
@@ -197,6 +198,7 @@ class Agent:
             "links": links,
             "initial_stream_bps": options.stream_bandwidth_mib * 2**20,
             "max_downtime_ms": options.max_downtime_ms,
+            "allowed_modes": list(options.allowed_modes),
         }
 
     def probe(self, body: dict[str, Any], m: re.Match[str]) -> tuple[int, bytes]:
@@ -348,6 +350,12 @@ class Agent:
             body["migration_id"], body["vm"], body["ports"], body["peer"], body["flows"]
         )
         return 200, {"note": note}
+
+    def offload_records(
+        self, body: dict[str, Any], _m: re.Match[str]
+    ) -> tuple[int, dict[str, Any]]:
+        api.check_fields(body, {"migration_id": str, "flows": list})
+        return 200, self.offload.records(body["migration_id"], body["flows"])
 
     def offload_settle(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         api.check_fields(body, {"migration_id": str, "flows": list})

@@ -229,8 +229,13 @@ def plan(
     opts: EngineOptions,
     rdma_both_ends: bool = False,
     source: SourceFacts | None = None,
+    dirty: dirty_model.DirtyModel | None = None,
 ) -> Plan:
-    """Decide the mode, transport, knobs and parameters of one migration."""
+    """Decide the mode, transport, knobs and parameters of one migration.
+
+    ``dirty``: the model already fitted to ``vm.dirty_samples`` (a drain plans
+    each VM at several bandwidth shares and fits once); None: fitted here.
+    """
     source = source or SourceFacts()
     postcopy, split = blockers(vm, dest, opts)
     budget_ms = request.downtime_budget_ms(opts.max_downtime_ms)
@@ -241,7 +246,9 @@ def plan(
             vm=vm.name,
             ram_bytes=mem.ram_bytes,
             resident_bytes=mem.resident_bytes,
-            dirty=dirty_model.fit(vm.dirty_samples, max_pages=mem.ram_bytes / PAGE),
+            dirty=dirty_model.fit(vm.dirty_samples, max_pages=mem.ram_bytes / PAGE)
+            if dirty is None
+            else dirty,
             bandwidth_bps=bandwidth,
             dest_free_bytes=dest.free_for_vms_bytes,
             dest_store_free_bytes=dest.store_free_bytes,

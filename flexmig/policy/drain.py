@@ -10,9 +10,14 @@ destination (RAM it offers VMs, store space):
    takes its RAM off what the host offers); a VM no destination holds whole is split
    onto the one with the most RAM left after the whole VMs, and waits for
    them; a VM that fits nowhere is reported before anything moves;
-2. modes at a share — with c streams at once each gets ``link / c`` (capped
-   at what one stream achieves); a VM whose precopy converges alone but not
-   at that share gets postcopy where it can, else it runs *solo*;
+2. modes at a share — each VM's move is the migration engine's own plan
+   (``flexmig.migration.planner.plan``: the same request, VM facts, options
+   and rules the agent and the Nova driver use), made with the stream's rate
+   at that share: with c streams at once each gets ``link / c`` (capped at
+   what one stream achieves); a VM whose precopy converges alone but not at
+   that share gets postcopy where it can, else it runs *solo*; a VM the
+   engine refuses even with the link to itself is reported before anything
+   moves;
 3. concurrency — each c from 1 to the maximum is simulated
    (``drain_schedule``), the soonest finish wins (fewer streams on a tie).
 
@@ -25,8 +30,12 @@ import dataclasses
 from collections.abc import Iterable, Mapping, Sequence
 
 from flexmig import exceptions
+from flexmig.migration import planner
+from flexmig.migration.facts import GuestMemory, VmFacts
+from flexmig.migration.options import EngineOptions
+from flexmig.migration.request import MigrationRequest
 from flexmig.policy import drain_schedule
-from flexmig.policy.decision import QEMU_OVERHEAD_BYTES, Decision, MigrationInputs, decide
+from flexmig.policy.decision import QEMU_OVERHEAD_BYTES, Decision
 from flexmig.policy.dirty_model import DirtyModel
 
 MIB = 2**20
@@ -39,13 +48,54 @@ MIN_SPLIT_HOT_BYTES = 64 * MIB
 
 @dataclasses.dataclass(frozen=True)
 class DrainVM:
-    name: str
-    ram_bytes: int
-    resident_bytes: int
+    """A VM to move: the engine's facts, its dirty model fitted once to their samples."""
+
+    facts: VmFacts
     dirty: DirtyModel
-    file_backed: bool
-    postcopy_blocker: str | None = None
-    max_downtime_ms: int = 300
+    max_downtime_ms: int | None = None  # None: [migration] max_downtime_ms
+
+    @property
+    def name(self) -> str:
+        return self.facts.name
+
+    @property
+    def ram_bytes(self) -> int:
+        return self.facts.memory.ram_bytes
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.facts.memory.resident_bytes
+
+    @property
+    def file_backed(self) -> bool:
+        return self.facts.memory.file_backed
+
+    def request(self) -> MigrationRequest:
+        """What the engine is asked for this VM: its mode is the engine's choice."""
+        return MigrationRequest(vm=self.name, max_downtime_ms=self.max_downtime_ms)
+
+    @classmethod
+    def sized(
+        cls,
+        name: str,
+        ram_bytes: int,
+        resident_bytes: int,
+        dirty: DirtyModel,
+        file_backed: bool = False,
+        backing_fs: str | None = "tmpfs",
+        max_downtime_ms: int | None = None,
+    ) -> DrainVM:
+        """A VM known by its size and dirty model only (a Nova flavor, a worked example):
+        memory anonymous or a file on ``backing_fs``, no passthrough, running."""
+        memory = GuestMemory(
+            ram_bytes,
+            resident_bytes,
+            "file" if file_backed else "anonymous",
+            backing_fs if file_backed else None,
+            passthrough=False,
+        )
+        samples = tuple((float(t), dirty.pages(t)) for t in (1, 2, 3))
+        return cls(VmFacts(name, memory, samples, paused=False), dirty, max_downtime_ms)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,11 +130,11 @@ class Placement:
 
 @dataclasses.dataclass(frozen=True)
 class Move:
-    """One VM's part of the plan."""
+    """One VM's part of the plan: the engine's plan of its migration, and when."""
 
     vm: str
     dest: str
-    decision: Decision
+    plan: planner.Plan
     solo: bool
     bandwidth_bps: float  # the share its mode was chosen at
     start_s: float
@@ -93,8 +143,16 @@ class Move:
     why: str
 
     @property
+    def decision(self) -> Decision:
+        return self.plan.decision
+
+    @property
     def mode(self) -> str:
-        return self.decision.mode
+        return self.plan.mode
+
+    def request(self) -> MigrationRequest:
+        """The engine request that carries this move out: the plan's mode, fixed."""
+        return dataclasses.replace(self.plan.request, mode=self.mode)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +163,8 @@ class DrainPlan:
     unplaceable: dict[str, str]  # VM -> why no host can take it
     alternatives: dict[int, float]  # concurrency -> simulated total seconds
     fabric: Fabric
+    # What each move's engine plan was made with (a re-plan uses the same).
+    options: EngineOptions = dataclasses.field(default_factory=EngineOptions)
 
     @property
     def total_s(self) -> float:
@@ -168,7 +228,7 @@ def place(
     leave them nowhere); the one leaving fewer VMs behind, then fewer split,
     wins.
 
-    >>> vm = lambda n, mib, fb=True: DrainVM(n, mib * MIB, mib * MIB, DirtyModel(0, 1), fb)
+    >>> vm = lambda n, mib, fb=True: DrainVM.sized(n, mib * MIB, mib * MIB, DirtyModel(0, 1), fb)
     >>> hosts = [Candidate("B", 1000 * MIB, 4096 * MIB), Candidate("C", 700 * MIB, 0)]
     >>> placed, refused = place([vm("a", 256), vm("b", 256), vm("big", 900)], hosts)
     >>> [(p.vm, p.dest, p.split, p.waits_for) for p in placed]
@@ -234,60 +294,75 @@ def _split_destination(
     return best, why
 
 
-def _inputs(
-    vm: DrainVM, dest_free: int, dest_store: int, fabric: Fabric, bw: float
-) -> MigrationInputs:
-    return MigrationInputs(
-        vm=vm.name,
-        ram_bytes=vm.ram_bytes,
-        resident_bytes=vm.resident_bytes,
+def _engine_plan(
+    vm: DrainVM, placement: Placement, fabric: Fabric, bw: float, opts: EngineOptions
+) -> planner.Plan:
+    """The engine's plan for this VM at this destination with a stream of ``bw``."""
+    return planner.plan(
+        vm.request(),
+        vm.facts,
+        planner.DestinationFacts(
+            free_for_vms_bytes=placement.free_bytes,
+            store_free_bytes=vm.ram_bytes if placement.split else 0,
+        ),
+        planner.LinkFacts(stream_bps=bw, setup_s=fabric.setup_s, switchover_s=fabric.switchover_s),
+        opts,
         dirty=vm.dirty,
-        bandwidth_bps=bw,
-        dest_free_bytes=dest_free,
-        dest_store_free_bytes=dest_store,
-        file_backed=vm.file_backed,
-        max_downtime_ms=vm.max_downtime_ms,
-        postcopy_blocker=vm.postcopy_blocker,
-        setup_s=fabric.setup_s,
-        switchover_s=fabric.switchover_s,
     )
 
 
+Chosen = tuple[planner.Plan, bool, float, str]  # (engine plan, solo, its bandwidth, why)
+
+
 def _mode_at_share(
-    vm: DrainVM, placement: Placement, fabric: Fabric, streams: int
-) -> tuple[Decision, bool, float, str]:
-    """(decision, solo, bandwidth it was made at, why) for a VM sharing the link."""
-    free = placement.free_bytes
-    store = vm.ram_bytes if placement.split else 0
-    shared = fabric.share(streams)
-    decision = decide(_inputs(vm, free, store, fabric, shared))
+    vm: DrainVM, placement: Placement, fabric: Fabric, streams: int, opts: EngineOptions
+) -> Chosen:
+    """The engine's plan for a VM sharing the link with ``streams - 1`` others.
+
+    Refused at the share (the mode it would need is not allowed), or not
+    converging there while it would alone: the VM runs solo with the link to itself.
+    """
+    shared, whole = fabric.share(streams), fabric.share(1)
+    try:
+        at_share = _engine_plan(vm, placement, fabric, shared, opts)
+    except exceptions.PolicyRefused as exc:
+        if streams == 1:
+            raise
+        why = f"at a 1/{streams} share the engine refuses it ({exc}): it runs alone"
+        return _engine_plan(vm, placement, fabric, whole, opts), True, whole, why
+    decision = at_share.decision
     converges = decision.transfer == "postcopy" or decision.prediction.converged
     if converges or streams == 1:
         why = (
             decision.reasons[2] if streams == 1 else f"{decision.reasons[2]} at a 1/{streams} share"
         )
-        return decision, False, shared, why
-    alone = decide(_inputs(vm, free, store, fabric, fabric.share(1)))
-    if alone.prediction.converged:
+        return at_share, False, shared, why
+    alone = _engine_plan(vm, placement, fabric, whole, opts)
+    if alone.decision.prediction.converged:
+        blocker = planner.blockers(vm.facts, planner.DestinationFacts(0, 0), opts)[0]
         return (
             alone,
             True,
-            fabric.share(1),
-            f"precopy converges only with the link to itself ({alone.reasons[2]}); "
+            whole,
+            f"precopy converges only with the link to itself ({alone.decision.reasons[2]}); "
             f"at a 1/{streams} share it would not, and postcopy is out "
-            f"({vm.postcopy_blocker or 'not allowed'})",
+            f"({blocker or 'not allowed'})",
         )
-    return decision, False, shared, decision.reasons[2]
+    return at_share, False, shared, decision.reasons[2]
 
 
 def _works(
-    vms: Mapping[str, DrainVM], placements: Sequence[Placement], fabric: Fabric, streams: int
-) -> tuple[list[drain_schedule.Work], dict[str, tuple[Decision, bool, float, str]]]:
-    chosen = {p.vm: _mode_at_share(vms[p.vm], p, fabric, streams) for p in placements}
+    vms: Mapping[str, DrainVM],
+    placements: Sequence[Placement],
+    fabric: Fabric,
+    streams: int,
+    opts: EngineOptions,
+) -> tuple[list[drain_schedule.Work], dict[str, Chosen]]:
+    chosen = {p.vm: _mode_at_share(vms[p.vm], p, fabric, streams, opts) for p in placements}
     works = []
     for p in placements:
-        decision, solo, bw, _ = chosen[p.vm]
-        pred = decision.prediction
+        engine_plan, solo, bw, _ = chosen[p.vm]
+        pred = engine_plan.decision.prediction
         moved = float(pred.total_bytes)
         works.append(
             drain_schedule.Work(
@@ -298,10 +373,12 @@ def _works(
                 after=p.waits_for,
             )
         )
-    # Solo migrations first (the link is quiet and their timing the least sure),
-    # then longest first (list scheduling's classic rule against a long tail);
-    # a split VM waits for its destination's whole VMs anyway, so it goes last.
-    works.sort(key=lambda w: (not w.solo, bool(w.after), -(w.fixed_s + w.bytes / fabric.share(1))))
+    # A split VM waits for its destination's whole VMs, so it goes last: first
+    # even when it runs solo (a solo migration holds its place in the order,
+    # and one waiting at the head for VMs behind it would block them all).
+    # Then solo migrations first (the link is quiet and their timing the least
+    # sure), then longest first (list scheduling's rule against a long tail).
+    works.sort(key=lambda w: (bool(w.after), not w.solo, -(w.fixed_s + w.bytes / fabric.share(1))))
     return works, chosen
 
 
@@ -311,14 +388,19 @@ def plan(
     candidates: Sequence[Candidate],
     fabric: Fabric,
     max_concurrency: int = 4,
+    opts: EngineOptions | None = None,
 ) -> DrainPlan:
     """The drain that finishes soonest, explained per VM and in total.
+
+    ``opts``: the source's ``[migration]`` options (allowed modes, downtime
+    budget), the ones its engine will plan each migration with.
 
     Four idle 256 MiB VMs, 64 MiB touched each, 1 s of fixed cost per migration,
     a 100 MiB/s link one stream fills alone: running them together overlaps
     the fixed costs.
 
-    >>> vms = [DrainVM(f"vm{i}", 256 * MIB, 64 * MIB, DirtyModel(0, 1), True) for i in range(4)]
+    >>> idle = DirtyModel(0, 1)
+    >>> vms = [DrainVM.sized(f"vm{i}", 256 * MIB, 64 * MIB, idle, True) for i in range(4)]
     >>> hosts = [Candidate("B", 2048 * MIB, 0), Candidate("C", 2048 * MIB, 0)]
     >>> p = plan("A", vms, hosts, Fabric(100 * MIB, 100 * MIB, setup_s=1.0, switchover_s=0.0))
     >>> p.concurrency, round(p.total_s, 2), round(p.alternatives[1], 2)
@@ -329,13 +411,15 @@ def plan(
             what="max concurrency", reason=f"{max_concurrency} not in 1..{MAX_CONCURRENCY}"
         )
     _validate(vms, candidates, fabric)
-    placements, refused = place(vms, candidates)
+    opts = opts or EngineOptions()
     by_name = {vm.name: vm for vm in vms}
+    placements, refused = place(vms, candidates)
+    placements, refused = _engine_refusals(by_name, placements, refused, fabric, opts)
     dests = {p.vm: p for p in placements}
     best = None
     alternatives: dict[int, float] = {}
     for streams in range(1, min(max_concurrency, max(1, len(placements))) + 1):
-        works, chosen = _works(by_name, placements, fabric, streams)
+        works, chosen = _works(by_name, placements, fabric, streams, opts)
         slots = drain_schedule.simulate(works, streams, fabric.link_bps, fabric.stream_bps)
         alternatives[streams] = drain_schedule.makespan(slots)
         if best is None or alternatives[streams] < alternatives[best[0]] - 1e-6:
@@ -344,12 +428,12 @@ def plan(
     if best is not None:
         streams, slots, chosen = best
         for slot in sorted(slots, key=lambda s: (s.start_s, s.name)):
-            decision, solo, bw, why = chosen[slot.name]
+            engine_plan, solo, bw, why = chosen[slot.name]
             moves.append(
                 Move(
                     slot.name,
                     dests[slot.name].dest,
-                    decision,
+                    engine_plan,
                     solo,
                     bw,
                     slot.start_s,
@@ -365,7 +449,35 @@ def plan(
         unplaceable=refused,
         alternatives=alternatives,
         fabric=fabric,
+        options=opts,
     )
+
+
+def _engine_refusals(
+    vms: Mapping[str, DrainVM],
+    placements: list[Placement],
+    refused: dict[str, str],
+    fabric: Fabric,
+    opts: EngineOptions,
+) -> tuple[list[Placement], dict[str, str]]:
+    """VMs the engine will not migrate even with the link to themselves, with its reason.
+
+    A VM it refuses is reported before anything moves; the VMs that waited
+    for it (a split VM on the same host) no longer need to.
+    """
+    kept, refused = [], dict(refused)
+    for p in placements:
+        try:
+            _engine_plan(vms[p.vm], p, fabric, fabric.share(1), opts)
+        except exceptions.PolicyRefused as exc:
+            refused[p.vm] = str(exc)
+            continue
+        kept.append(p)
+    gone = {p.vm for p in placements} - {p.vm for p in kept}
+    return [
+        dataclasses.replace(p, waits_for=tuple(w for w in p.waits_for if w not in gone))
+        for p in kept
+    ], refused
 
 
 def without(candidates: Iterable[Candidate], moves: Iterable[Move]) -> list[Candidate]:
@@ -430,7 +542,14 @@ def replan(
         link_bps=current.fabric.link_bps / factor,
         stream_bps=current.fabric.stream_bps / factor,
     )
-    return plan(current.source, remaining, without(candidates, started), fabric, max_concurrency)
+    return plan(
+        current.source,
+        remaining,
+        without(candidates, started),
+        fabric,
+        max_concurrency,
+        current.options,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -449,7 +568,7 @@ class Outcome:
 def compare(plan_: DrainPlan, outcomes: Sequence[Outcome], measured_total_s: float) -> str:
     """Predicted against measured, per VM and in total, as a table.
 
-    >>> vms = [DrainVM("a", 256 * MIB, 64 * MIB, DirtyModel(0, 1), True)]
+    >>> vms = [DrainVM.sized("a", 256 * MIB, 64 * MIB, DirtyModel(0, 1), True)]
     >>> p = plan("A", vms, [Candidate("B", 2048 * MIB, 0)], Fabric(100 * MIB, 100 * MIB))
     >>> print(compare(p, [Outcome("a", "completed", 0.0, 1.2, "precopy", "B")], 1.3))
     VM    dest  mode      state       predicted s  measured s

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -230,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     command = ".venv/bin/python -m tests.bench.offload_migration " + (
         " ".join(argv if argv is not None else sys.argv[1:])
     )
+    load_before = os.getloadavg()
     lab = Lab()
     lab.down()
     lab.up(2)
@@ -251,7 +253,13 @@ def main(argv: list[str] | None = None) -> int:
             runs.append(run)
     finally:
         lab.down()
+    loads = (load_before, os.getloadavg())
     text = table(runs, command.strip())
+    text += (
+        "\nLoad average (1/5/15 min) before the lab came up and at its end: "
+        + "; ".join("/".join(f"{v:.2f}" for v in load) for load in loads)
+        + ".\n"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
     args.out.with_suffix(".json").write_text(json.dumps(runs, indent=1))

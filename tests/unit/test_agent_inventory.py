@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from agents.agent import inventory
+from flexmig.policy import dirty_model
 
 
 def test_samples_are_taken_once_and_only_while_fresh(monkeypatch):
@@ -47,3 +50,55 @@ def test_vms_being_migrated_are_skipped():
 @pytest.fixture(autouse=True)
 def _no_waiting(monkeypatch):
     monkeypatch.setattr("flexmig.migration.facts.time.sleep", lambda s: None)
+
+
+def test_the_inventory_carries_the_engines_facts_to_the_drain(monkeypatch):
+    """What the source agent reports is what the drain plans each move from: the
+    engine's VmFacts, rebuilt field for field, and the samples kept for the migration."""
+    from flexmig import drain_agents
+    from flexmig.migration import facts
+
+    samples = ((1.0, 500.0), (2.0, 800.0))
+    monkeypatch.setattr(facts, "sample_dirty_pages", lambda conn, dom, host, sec: samples)
+    cache = inventory.SampleCache()
+    entries = inventory.running_vms(
+        "test:///default", "A", (1, 2), lambda vm, ram: ("/dev/shm/mem-test", ram // 2), cache
+    )
+    vm = drain_agents.vm_from_inventory(json.loads(json.dumps(entries[0])))
+    assert vm.facts.memory == facts.GuestMemory(
+        entries[0]["ram_bytes"], entries[0]["ram_bytes"] // 2, "file", "tmpfs", False
+    )
+    assert vm.facts.dirty_samples == samples and not vm.facts.paused
+    assert vm.dirty == dirty_model.fit(samples, max_pages=vm.ram_bytes / facts.PAGE)
+    assert cache.take("test") == samples
+
+
+def test_an_inventory_entry_of_another_shape_is_a_backend_error():
+    from flexmig import drain_agents, exceptions
+
+    with pytest.raises(exceptions.BackendError, match="inventory entry"):
+        drain_agents.vm_from_inventory({"name": "v", "ram_bytes": 1})
+
+
+def test_the_agent_is_asked_for_the_engines_request_with_the_plans_mode():
+    from flexmig import drain_agents
+    from flexmig.policy import drain
+
+    class Agent:
+        posted: list = []
+
+        def post(self, path, body, timeout=None):
+            self.posted.append((path, body))
+            return {"id": "m1"}
+
+    src = drain_agents.HostEndpoint("A", Agent(), "10.0.0.1", 1, "qemu://a", "tcp://a")
+    dst = drain_agents.HostEndpoint("B", None, "10.0.0.2", 2, "qemu://b", "tcp://b")
+    vm = drain.DrainVM.sized("v", 256 << 20, 64 << 20, dirty_model.IDLE, max_downtime_ms=150)
+    p = drain.plan("A", [vm], [drain.Candidate("B", 4 << 30, 0)], drain.Fabric(1e8, 1e8))
+    assert drain_agents.AgentBackend(src, [dst]).start(p.moves[0]) == "m1"
+    assert Agent.posted == [
+        (
+            "/v1/migrations",
+            {"vm": "v", "mode": "precopy", "max_downtime_ms": 150, "dest": dst.dest_body()},
+        )
+    ]

@@ -52,7 +52,8 @@ IDLE = DirtyModel(0, 1)
 
 
 def vm(name, touched=64, dirty=IDLE, postcopy=None):
-    return drain.DrainVM(name, 256 * MIB, touched * MIB, dirty, True, postcopy_blocker=postcopy)
+    """``postcopy``: a filesystem userfaultfd cannot serve, holding its memory file."""
+    return drain.DrainVM.sized(name, 256 * MIB, touched * MIB, dirty, True, postcopy or "tmpfs")
 
 
 HOSTS = [drain.Candidate("B", 8192 * MIB, 8192 * MIB), drain.Candidate("C", 8192 * MIB, 8192 * MIB)]
@@ -129,7 +130,7 @@ def test_a_slow_migration_makes_the_rest_replanned():
 
 
 def test_unplaceable_vms_are_in_the_report_and_never_started():
-    vms = [vm("a"), drain.DrainVM("huge", 9000 * MIB, MIB, DirtyModel(0, 1), False)]
+    vms = [vm("a"), drain.DrainVM.sized("huge", 9000 * MIB, MIB, DirtyModel(0, 1))]
     backend = ClockBackend({"a": 0.02})
     _, runner = run(vms, backend)
     report = runner.run()
@@ -140,7 +141,11 @@ def test_unplaceable_vms_are_in_the_report_and_never_started():
 @pytest.mark.parametrize("max_concurrency", [1, 4])
 def test_split_waits_for_its_destination(max_concurrency):
     hosts = [drain.Candidate("B", 1200 * MIB, 8192 * MIB)]
-    vms = [vm("a"), vm("b"), drain.DrainVM("big", 1024 * MIB, 200 * MIB, DirtyModel(0, 1), True)]
+    vms = [
+        vm("a"),
+        vm("b"),
+        drain.DrainVM.sized("big", 1024 * MIB, 200 * MIB, DirtyModel(0, 1), True),
+    ]
     plan = drain.plan("A", vms, hosts, FAST, max_concurrency)
     big = next(m for m in plan.moves if m.vm == "big")
     assert big.mode == "split" and set(big.waits_for) == {"a", "b"}
@@ -148,3 +153,20 @@ def test_split_waits_for_its_destination(max_concurrency):
     runner = drain_run.DrainRun(plan, vms, hosts, backend, max_concurrency, print, poll_s=0.01)
     runner.run()
     assert backend.started["big"] >= max(backend.ended["a"], backend.ended["b"])
+
+
+def test_a_failing_replan_leaves_the_drain_running_on_its_plan(monkeypatch):
+    vms = [vm(f"v{i}", touched=200) for i in range(4)]
+    plan = drain.plan("A", vms, HOSTS, FAST, 1)
+    first = plan.moves[0]
+    seconds = {v.name: 0.05 for v in vms}
+    seconds[first.vm] = first.end_s - first.start_s + drain_run.REPLAN_MIN_LATE_S + 0.5
+
+    def broken(*_a, **_k):
+        raise exceptions.InvalidInput(what="drain schedule", reason="cannot be made")
+
+    monkeypatch.setattr(drain, "replan", broken)
+    runner = drain_run.DrainRun(plan, vms, HOSTS, ClockBackend(seconds), 1, print, poll_s=0.01)
+    report = runner.run()
+    assert report.counts() == {"completed": 4}
+    assert len(report.replans) == 1 and "re-plan failed" in report.replans[0]

@@ -198,3 +198,14 @@ def test_the_request_leaves_the_connections_to_the_plan_by_default():
     assert MigrationRequest(vm="vm").parallel == 0
     assert "parallel" not in MigrationRequest(vm="vm").to_body()
     assert dataclasses.replace(MigrationRequest(vm="vm"), parallel=1).to_body()["parallel"] == 1
+
+
+def test_novas_path_ends_with_the_budgets_verdict():
+    from nova_driver.monitor import completion_summary
+
+    plan = plan_for(hot=False)
+    text, exceeded = completion_summary(plan, 420)
+    assert exceeded and "EXCEEDED by 120 ms" in text and "budget 300 ms" in text
+    text, exceeded = completion_summary(plan, 40)
+    assert not exceeded and "EXCEEDED" not in text
+    assert not completion_summary(plan, None)[1]

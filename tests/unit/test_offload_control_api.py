@@ -87,3 +87,36 @@ def test_arrive_with_a_malformed_record_registers_nothing(served):
     assert len(sim.control.flows) == 0
     with pytest.raises(exceptions.InvalidInput, match="400"):  # bad input, not a backend
         client.post("/v1/migrations/m1/resume", {})
+
+
+def test_records_of_a_vm_with_many_flows_arrive_in_parts(served, tmp_path):
+    """600 flows' records are more than one request carries (api.MAX_BODY):
+    the first part arrives, the rest follow as records, and every flow is known."""
+    from agents.agent import api, offload_hook
+
+    sim, client, _ = served
+    for n in range(600):
+        sim.start(flow(n), "ep-a")
+    depart = {"migration_id": "m-many", "ports": ["tap0"], "peer": "hostB"}
+    records = client.post("/v1/migrations/depart", depart)["flows"]
+    assert len(records) == 600
+    dest_sim = Sim(stats_policy())
+    runtime = Runtime(dest_sim.control, "br-int", 0.1, status_file=str(tmp_path / "b.json"))
+    dest_api = control_api.serve(runtime, str(tmp_path / "b.sock"), KEY)
+    dest = AgentClient(str(tmp_path / "b.sock"), 0, KEY)
+    try:
+        arrive = {"migration_id": "m-many", "ports": ["tap0"], "peer": "hostA"}
+        with pytest.raises(exceptions.InvalidInput, match=f"0..{api.MAX_BODY} bytes"):
+            dest.post("/v1/migrations/arrive", arrive | {"flows": records})  # one request
+        first, *rest = offload_hook.parts(records)
+        assert rest, "600 records fit one request: the test no longer tests parts"
+        dest.post("/v1/migrations/arrive", arrive | {"flows": first})
+        for part in rest:
+            shown = dest.post("/v1/migrations/m-many/records", {"flows": part})["migration"]
+        assert shown["flows"] == 600 and len(dest_sim.control.flows) == 600
+        dest.post("/v1/migrations/m-many/resume", {})
+        with pytest.raises(exceptions.InvalidInput, match="400.*resumed"):  # too late
+            dest.post("/v1/migrations/m-many/records", {"flows": rest[0]})
+    finally:
+        dest_api.server.shutdown()
+        dest_api.server.server_close()

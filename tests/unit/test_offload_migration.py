@@ -6,6 +6,8 @@ on, so the tests know exactly how many went where and can check that the
 destination's totals are source + destination, never more.
 """
 
+import dataclasses
+
 import pytest
 
 from flexmig import exceptions
@@ -196,3 +198,27 @@ def test_a_flow_from_another_local_port_stays_with_its_sender():
     records = migration.FlowMigrations(src.control).depart("m1", ["tap0"], "hostB")
     assert {r.match for r in records} == {own, from_uplink}
     assert src.control.flows.get(from_local).held == ""
+
+
+def test_records_in_parts_arrive_whole_and_a_bad_part_changes_nothing():
+    src, dst = two_hosts()
+    matches = [flow(n) for n in range(4)]
+    for m in matches:
+        src.start(m, "phy0")
+    for _ in range(3):
+        src.tick({m: 5000 for m in matches})
+    records = wire(migration.FlowMigrations(src.control).depart("m1", ["tap0"], "b"))
+    dst_mig = migration.FlowMigrations(dst.control)
+    dst_mig.arrive("m1", ["tap0"], "a", records[:1])
+    foreign = dataclasses.replace(records[1], match=flow(9, port="tap7"), owner="tap7")
+    with pytest.raises(exceptions.InvalidInput, match="not the VM's"):
+        dst_mig.add_records("m1", [records[1], foreign])  # refused whole
+    assert len(dst.control.flows) == 1
+    dst_mig.add_records("m1", records[1:])
+    assert len(dst_mig.get("m1", migration.Role.DESTINATION).flows) == 4
+    mig = dst_mig.get("m1", migration.Role.DESTINATION)
+    assert mig.was_offloaded == set(matches)
+    assert all(dst.control.flows.get(m).reoffload for m in matches)
+    dst_mig.resume("m1")
+    with pytest.raises(exceptions.InvalidInput, match="resumed"):  # parts come before resume
+        dst_mig.add_records("m1", records[:1])
