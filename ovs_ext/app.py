@@ -28,7 +28,7 @@ from os_ken.controller.handler import CONFIG_DISPATCHER, MAIN_DISPATCHER, set_ev
 from os_ken.lib import hub
 from os_ken.ofproto import ofproto_v1_3
 
-from ovs_ext import flows, neutron, openflow
+from ovs_ext import flows, neutron, openflow, restore
 from ovs_ext.control import OffloadControl
 from ovs_ext.providers.base import FlowCounters, FlowMatch, OffloadError
 
@@ -36,6 +36,7 @@ LOG = logging.getLogger("flexmig.ovs_ext.app")
 # A stats request unanswered this many intervals is given up and re-sent.
 STATS_REPLY_PATIENCE = 20
 STATUS_EVERY_POLL_UP_TO = 10_000  # flows
+PURGE_TIMEOUT = 5  # s, ovs-appctl revalidator/purge
 
 
 @dataclasses.dataclass
@@ -72,6 +73,13 @@ class OffloadApp(app_manager.OSKenApp):
         self._handoffs_seen: set[int] = set()
         self.watched: dict[str, int] = {}
         self._barrier_done = threading.Event()
+        # Whether packet-ins are judged yet: not until the datapath's cached flows
+        # from before this connection are purged (see _switch_features).
+        self.judging = False
+        self._rules_ready = False  # the old rules read back and replaced
+        self._read_back: list[Any] | None = None  # flow-stats parts while reading back
+        self._settle_xids: dict[int, Any] = {}
+        self.rt.control.status_extras["bridge"] = lambda: {"judging": self.judging}
         self._polls = 0
         self._poller = hub.spawn(self._poll_loop)
 
@@ -84,31 +92,41 @@ class OffloadApp(app_manager.OSKenApp):
             dp.close()
             return
         LOG.info("bridge %s connected (datapath %016x)", self.rt.bridge, dp.id)
+        # Why the app does not judge at once: the datapath keeps the flows it
+        # cached before this connection (another run's, or none of ours at all),
+        # and once our rules are back they are re-translated to send to the app.
+        # A packet reaching the app through such a cached flow is credited again
+        # to the flow's rules by the revalidator's next push, so counting it as
+        # the flow's first packet counted it twice (a flow seen before a bridge
+        # reconnection showed 2 for 1 sent).  Only a datapath miss is credited
+        # to the shared discovery rule alone: the app waits until its rules are
+        # in, purges the cached flows, and judges from then on.
         self._forget_bridge_state()
         self.datapath = dp
-        # Rules of an earlier run or connection are stale: their flows are forgotten.
-        self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto))
-        if self.rt.pipeline is None:
-            self.send(openflow.table_miss_rule(dp.ofproto_parser, dp.ofproto))
-        else:  # Neutron's table-0 rules switch what the app does not judge
-            self.send(self.rt.pipeline.set_controller_id(dp.ofproto_parser))
+        # The rules an earlier run or connection left are read back (their flows'
+        # counters go on), then replaced: see _rules_read_back.
         self.send(dp.ofproto_parser.OFPPortDescStatsRequest(dp, 0))
         self.rt.connected.set()
 
     def _forget_bridge_state(self) -> None:
-        """A (re)connection starts from nothing: the rules are deleted below, so
-        every tracked flow and offload entry goes too, and ports are relearnt."""
+        """A (re)connection starts from nothing: the rules are read back and
+        deleted, so every tracked flow and offload entry goes too (their counters
+        kept for when they are seen again), and ports are relearnt."""
         with self.rt.lock:
             control = self.rt.control
             for port in sorted(
                 control.dispatchers.fast_path_ports | set(control.dispatchers.by_port)
             ):
-                control.port_removed(port)
+                restore.from_forgotten(control.flows, control.port_removed(port))
         self.port_names.clear()
         self.port_numbers.clear()
         self.watched.clear()
         self.mac_ports.clear()
         self._stats_sent_at = None
+        self.judging = False
+        self._rules_ready = False
+        self._read_back: list[Any] | None = None
+        self._settle_xids.clear()
 
     @set_ev_cls(ofp_event.EventOFPPortDescStatsReply, MAIN_DISPATCHER)
     def _port_desc(self, ev: Any) -> None:
@@ -116,6 +134,62 @@ class OffloadApp(app_manager.OSKenApp):
             return
         for port in ev.msg.body:
             self._port_up(port.port_no, _name(port.name))
+        more = ev.msg.flags & ev.msg.datapath.ofproto.OFPMPF_REPLY_MORE
+        if not more and not self._rules_ready and self._read_back is None:
+            self._read_back = []
+            dp = self.datapath
+            self.send(openflow.owned_stats_request(dp.ofproto_parser, dp.ofproto))
+
+    def _rules_read_back(self) -> None:
+        """The rules found at connection are read: keep their counts, replace them
+        (the flows they were made for are forgotten), then settle and purge."""
+        stats, self._read_back = self._read_back or [], None
+        with self.rt.lock:
+            found = restore.from_rules(self.rt.control.flows, stats, self.port_names.get)
+        if found:
+            LOG.info("counters of %d rules of an earlier run or connection kept", found)
+        dp = self.datapath
+        self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto))
+        if self.rt.pipeline is None:
+            self.send(openflow.table_miss_rule(dp.ofproto_parser, dp.ofproto))
+        else:  # Neutron's table-0 rules switch what the app does not judge
+            self.send(self.rt.pipeline.set_controller_id(dp.ofproto_parser))
+        self._rules_ready = True
+        for ofport in sorted(self.watched.values()):
+            for mod in self._port_rules(ofport):
+                self.send(mod)
+        self._settle(self._purge_cached_flows)
+
+    def _settle(self, then: Any) -> None:
+        """Run ``then`` once OVS has applied everything sent so far (a barrier)."""
+        dp = self.datapath
+        barrier = dp.ofproto_parser.OFPBarrierRequest(dp)
+        dp.set_xid(barrier)
+        self._settle_xids[barrier.xid] = then
+        self.send(barrier)
+
+    def _purge_cached_flows(self) -> None:
+        try:
+            proc = subprocess.run(
+                ["ovs-appctl", f"--timeout={PURGE_TIMEOUT}", "revalidator/purge"],
+                capture_output=True,
+                text=True,
+                timeout=PURGE_TIMEOUT + 1,
+                check=False,
+            )
+            failed = proc.returncode != 0 and proc.stderr.strip()
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            failed = str(exc)
+        if failed:
+            # Judging anyway beats never offloading: a flow cached from before
+            # may count its first packet twice.
+            LOG.warning("could not purge the datapath's cached flows: %s", failed)
+        # Packet-ins sent before the purge arrive before the barrier's reply.
+        self._settle(self._start_judging)
+
+    def _start_judging(self) -> None:
+        self.judging = True
+        LOG.info("judging new flows on bridge %s", self.rt.bridge)
 
     @set_ev_cls(ofp_event.EventOFPPortStatus, MAIN_DISPATCHER)
     def _port_status(self, ev: Any) -> None:
@@ -140,8 +214,9 @@ class OffloadApp(app_manager.OSKenApp):
                 return
             self.rt.control.port_added(name)
         self.watched[name] = ofport
-        for mod in self._port_rules(ofport):
-            self.send(mod)
+        if self._rules_ready:  # else installed once the old rules are read back
+            for mod in self._port_rules(ofport):
+                self.send(mod)
         LOG.info("watching port %s (ofport %d)", name, ofport)
 
     def _port_down(self, ofport: int, name: str) -> None:
@@ -174,8 +249,10 @@ class OffloadApp(app_manager.OSKenApp):
         if parsed is None or in_port is None:
             return
         self.mac_ports[parsed.eth_src] = in_port
-        if parsed.eth_type == openflow.ETH_TYPE_ARP:
-            return  # learnt; the rule's NORMAL action already forwarded it
+        if parsed.eth_type == openflow.ETH_TYPE_ARP or not self.judging:
+            # ARP: learnt, and the rule's NORMAL action already forwarded it.
+            # Not judging yet: the bridge switched it and a rule counts it.
+            return
         match = openflow.flow_match(in_port, parsed)
         if match is None:
             return
@@ -187,8 +264,15 @@ class OffloadApp(app_manager.OSKenApp):
                 # first one is left uncounted by a per-flow rule: see openflow.py.
                 self.rt.control.flows.count_packet_in(match, msg.total_len)
         if new:
-            build = openflow.flow_rule if self.rt.pipeline is None else self.rt.pipeline.flow_rule
-            self.send(build(dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match))
+            if self.rt.pipeline is None:
+                rule = openflow.flow_rule(
+                    dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match, msg.total_len
+                )
+            else:  # counts only; its first packet is not noted (not read back)
+                rule = self.rt.pipeline.flow_rule(
+                    dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match
+                )
+            self.send(rule)
 
     def _fdb_port(self, mac: str) -> str | None:
         """Where the bridge's own MAC learning put ``mac`` (hosts whose ARP
@@ -222,8 +306,8 @@ class OffloadApp(app_manager.OSKenApp):
 
     def _request_stats(self) -> None:
         dp = self.datapath
-        if dp is None:
-            return
+        if dp is None or not self.judging:
+            return  # the reply would be taken for the read-back's
         sent = self._stats_sent_at
         patience = STATS_REPLY_PATIENCE * self.rt.poll_interval
         if sent is not None and time.monotonic() - sent < patience:
@@ -239,7 +323,11 @@ class OffloadApp(app_manager.OSKenApp):
         msg = ev.msg
         if msg.datapath is not self.datapath:
             return
-
+        if self._read_back is not None:
+            self._read_back.extend(msg.body)
+            if not msg.flags & msg.datapath.ofproto.OFPMPF_REPLY_MORE:
+                self._rules_read_back()
+            return
         for stat in msg.body:
             self._collect(stat)
         if msg.flags & msg.datapath.ofproto.OFPMPF_REPLY_MORE:
@@ -335,6 +423,11 @@ class OffloadApp(app_manager.OSKenApp):
 
     @set_ev_cls(ofp_event.EventOFPBarrierReply, MAIN_DISPATCHER)
     def _barrier_reply(self, ev: Any) -> None:
+        then = self._settle_xids.pop(ev.msg.xid, None)
+        if then is not None:
+            if ev.msg.datapath is self.datapath:
+                then()
+            return
         self._barrier_done.set()
 
 

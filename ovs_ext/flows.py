@@ -14,7 +14,11 @@ A flow's packets are counted in exactly one place at a time:
 - ``offload_done``: final counters of earlier offload entries, carried over when
   the provider removed them (demotion, eviction);
 - ``carried_onloaded`` / ``carried_offloaded``: what earlier hosts counted, for
-  a flow that arrived with its VM by live migration (``ovs_ext.migration``).
+  a flow that arrived with its VM by live migration (``ovs_ext.migration``);
+- ``restored_onloaded`` / ``restored_offloaded``: what an earlier run of the
+  service (or this run before a bridge reconnection) counted, read back from
+  the rules it left in the bridge and the entries it left pinned in the
+  provider (:meth:`FlowManager.restore`), taken when the flow is seen again.
 
 The total is the sum of them all: continuous across promotion and demotion,
 never reset, never double-counted.  No I/O here: the OpenFlow app and the
@@ -114,6 +118,8 @@ class TrackedFlow:
     moves: int = 0
     carried_onloaded: FlowCounters = dataclasses.field(default_factory=FlowCounters)
     carried_offloaded: FlowCounters = dataclasses.field(default_factory=FlowCounters)
+    restored_onloaded: FlowCounters = dataclasses.field(default_factory=FlowCounters)
+    restored_offloaded: FlowCounters = dataclasses.field(default_factory=FlowCounters)
     # Set while a live migration holds the flow onloaded (why): statistics and
     # header rules leave it alone until the migration resumes or releases it.
     held: str = ""
@@ -131,11 +137,17 @@ class TrackedFlow:
 
     @property
     def onloaded_counters(self) -> FlowCounters:
-        return self.packet_in + self.learned + self.rule + self.carried_onloaded
+        return (
+            self.packet_in + self.learned + self.rule + self.carried_onloaded
+            + self.restored_onloaded
+        )  # fmt: skip
 
     @property
     def offloaded_counters(self) -> FlowCounters:
-        return self.offload_live + self.offload_done + self.carried_offloaded
+        return (
+            self.offload_live + self.offload_done + self.carried_offloaded
+            + self.restored_offloaded
+        )  # fmt: skip
 
     @property
     def total(self) -> FlowCounters:
@@ -153,6 +165,9 @@ class FlowManager:
         self._flows: dict[FlowMatch, TrackedFlow] = {}
         self._by_id: dict[int, TrackedFlow] = {}
         self._next_id = 1
+        # Counters of flows no longer tracked, by match: (in rules, other onloaded,
+        # offloaded).  Bounded by the flows the bridge and the provider held.
+        self._restored: dict[FlowMatch, tuple[FlowCounters, FlowCounters, FlowCounters]] = {}
 
     # -- membership -----------------------------------------------------------
     def get(self, match: FlowMatch) -> TrackedFlow | None:
@@ -190,9 +205,39 @@ class FlowManager:
             setup=setup,
         )
         self._next_id += 1
+        ruled, other, offloaded = self._restored.pop(match, (FlowCounters(),) * 3)
+        flow.restored_onloaded, flow.restored_offloaded = ruled + other, offloaded
         self._flows[match] = flow
         self._by_id[flow.flow_id] = flow
         return flow
+
+    def restore(
+        self,
+        match: FlowMatch,
+        onloaded: FlowCounters | None = None,
+        offloaded: FlowCounters | None = None,
+        ruled: FlowCounters | None = None,
+    ) -> None:
+        """Counters an earlier run (or connection) counted for a flow not tracked
+        now: added to what the flow counts when it is seen again, so its counters
+        go on from there instead of starting over.
+
+        ``ruled`` is what the flow's bridge rules held (first packet, counting
+        rule, flow rule), known twice when a connection drops: from this run's
+        last poll and, if the rules survived, read back from them (later, so
+        larger).  The larger is kept, never both.
+        """
+        was_ruled, was_on, was_off = self._restored.get(match, (FlowCounters(),) * 3)
+        if ruled is not None and ruled.packets > was_ruled.packets:
+            was_ruled = ruled
+        self._restored[match] = (
+            was_ruled,
+            was_on + (onloaded or FlowCounters()),
+            was_off + (offloaded or FlowCounters()),
+        )
+
+    def restored(self) -> dict[FlowMatch, tuple[FlowCounters, FlowCounters, FlowCounters]]:
+        return dict(self._restored)
 
     def forget(self, match: FlowMatch) -> TrackedFlow | None:
         flow = self._flows.pop(match, None)

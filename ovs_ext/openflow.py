@@ -38,7 +38,7 @@ from types import ModuleType
 from typing import Any
 
 from ovs_ext import flows
-from ovs_ext.providers.base import IPPROTO_TCP, IPPROTO_UDP, FlowMatch
+from ovs_ext.providers.base import IPPROTO_TCP, IPPROTO_UDP, FlowCounters, FlowMatch
 
 ETH_TYPE_IPV4 = 0x0800
 ETH_TYPE_ARP = 0x0806
@@ -51,6 +51,8 @@ JUDGE_MAX_LEN = 128  # Ethernet + the longest IPv4 header + the L4 ports
 COUNTING_IDLE_TIMEOUT = 30
 OFPCML_NO_BUFFER = 0xFFFF
 OFP_NO_BUFFER = 0xFFFFFFFF
+# The note in a flow rule: the length of the flow's first packet (see flow_rule).
+FIRST_PACKET_NOTE = struct.Struct("!I")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,17 +190,35 @@ def table_miss_rule(parser: ModuleType, ofproto: ModuleType) -> Any:
 
 
 def flow_rule(parser: ModuleType, ofproto: ModuleType, cookie: int, in_port: int,
-              match: FlowMatch) -> Any:  # fmt: skip
-    """The per-flow rule: its 5-tuple on its in_port, forwarded NORMAL."""
+              match: FlowMatch, first_length: int = 0) -> Any:  # fmt: skip
+    """The per-flow rule: its 5-tuple on its in_port, forwarded NORMAL.
+
+    A note carries the length of the flow's first packet: that packet is
+    counted by the app alone (no rule counts it), and the note is how a later
+    run reading the rule back (:func:`first_packet`) counts it too.
+    """
     fields: dict[str, Any] = dict(flows.openflow_match(match, in_port))
+    note = parser.NXActionNote(note=list(FIRST_PACKET_NOTE.pack(first_length)))
     return _flow_mod(
         parser,
         ofproto,
         cookie,
         flows.FLOW_PRIORITY,
         parser.OFPMatch(**fields),
-        [parser.OFPActionOutput(ofproto.OFPP_NORMAL)],
+        [note, parser.OFPActionOutput(ofproto.OFPP_NORMAL)],
     )
+
+
+def first_packet(instructions: Any) -> FlowCounters:
+    """The first packet a flow rule's note records (one packet of that length);
+    nothing for a rule without one."""
+    for instruction in instructions or ():
+        for action in getattr(instruction, "actions", ()):
+            note = bytes(getattr(action, "note", b"") or b"")
+            if len(note) >= FIRST_PACKET_NOTE.size:
+                (length,) = FIRST_PACKET_NOTE.unpack_from(note)
+                return FlowCounters(1, length)
+    return FlowCounters()
 
 
 def delete_owned(parser: ModuleType, ofproto: ModuleType, cookie: int = 0,

@@ -33,7 +33,7 @@ from ovs_ext.dispatcher import Dispatchers
 from ovs_ext.openflow_stats import config as stats_config
 from ovs_ext.openflow_stats.server import OpenFlowStatsServer
 from ovs_ext.openflow_stats.session import EndpointInfo
-from ovs_ext.providers.base import FlowMatch, OffloadProvider
+from ovs_ext.providers.base import FlowCounters, FlowMatch, OffloadProvider
 
 LOG = logging.getLogger("flexmig.ovs_ext.service")
 OVS_VSCTL_TIMEOUT = 10
@@ -162,14 +162,16 @@ def _start_control_api(conf: cfg.ConfigOpts, runtime: Runtime) -> None:
     control_api.serve(runtime, path, key)
 
 
-def clear_stale_entries(provider: OffloadProvider, name: str) -> int:
+def take_stale_entries(provider: OffloadProvider, name: str) -> dict[FlowMatch, FlowCounters]:
     """Entries a previous run left in the provider (its tables may be pinned):
-    their flows are forgotten, so they must not keep bypassing the bridge."""
+    removed, since their flows are not tracked yet and must not keep bypassing
+    the bridge; their final counters are returned so the flows' counts go on."""
     stale = provider.stats()
-    if stale:
-        provider.remove(list(stale))
-        LOG.info("removed %d stale entries from provider %s", len(stale), name)
-    return len(stale)
+    if not stale:
+        return {}
+    final = provider.remove(list(stale))
+    LOG.info("took %d stale entries from provider %s", len(stale), name)
+    return {match: final.get(match, counters) for match, counters in stale.items()}
 
 
 def prepare(argv: list[str]) -> tuple[cfg.ConfigOpts, Runtime]:
@@ -185,7 +187,7 @@ def prepare(argv: list[str]) -> tuple[cfg.ConfigOpts, Runtime]:
     provider = load_provider(conf, opts.provider)
     check_listen(opts.controller_address, opts.controller_port)
     datapath_id = bridge_datapath_id(opts.bridge)
-    clear_stale_entries(provider, opts.provider)
+    stale = take_stale_entries(provider, opts.provider)
     pipeline, guard = neutron_mode(opts)
     dispatchers = Dispatchers(provider, opts.provider, opts.vm_port_patterns, opts.uplinks)
     control = OffloadControl(
@@ -196,6 +198,8 @@ def prepare(argv: list[str]) -> tuple[cfg.ConfigOpts, Runtime]:
         idle_timeout=opts.flow_idle_timeout,
         offload_guard=guard,
     )
+    for match, counters in stale.items():
+        control.flows.restore(match, offloaded=counters)
     runtime = Runtime(control, opts.bridge, opts.poll_interval, opts.status_file)
     runtime.datapath_id = datapath_id
     runtime.pipeline = pipeline

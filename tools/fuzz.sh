@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The fuzz campaign: libFuzzer on the mover's wire framing and bootstrap (C),
-# Hypothesis on the OpenFlow statistics endpoint, the offload policy and the
+# Hypothesis on the agent API (bodies, headers, signatures, through a real
+# listener), the OpenFlow statistics endpoint, the offload policy and the
 # [flexmig]/[agent]/[offload] options.  FUZZ_RUNS inputs per C target,
 # FLEXMIG_FUZZ_EXAMPLES per Python target.  Exits non-zero on any crash.
 set -euo pipefail

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
@@ -152,10 +153,48 @@ def read_memory(
     )
 
 
+@dataclasses.dataclass
+class _SampleFlight:
+    """One VM's dirty-rate calculations, one at a time: QEMU refuses a second
+    while one runs ("the dirty rate is already being measured"), so concurrent
+    plans of one VM failed (found by 100 concurrent plan requests).  Callers
+    that waited take the samples of the calculation that ended meanwhile."""
+
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    intervals: tuple[int, ...] = ()
+    samples: tuple[tuple[float, float], ...] = ()
+    ended: float = -1.0  # monotonic
+
+
+_FLIGHTS: dict[tuple[str, str], _SampleFlight] = {}
+_FLIGHTS_LOCK = threading.Lock()
+
+
 def sample_dirty_pages(
     conn: libvirt.virConnect, dom: libvirt.virDomain, host: str, intervals: tuple[int, ...]
 ) -> tuple[tuple[float, float], ...]:
     """(interval seconds, distinct pages dirtied) from libvirt's dirty-rate calculation."""
+    with _FLIGHTS_LOCK:
+        flight = _FLIGHTS.setdefault((host, dom.name()), _SampleFlight())
+    arrived = time.monotonic()
+    # Each caller ahead takes at most its intervals plus the pad, but they are
+    # shared, so one such wait (twice, for a calculation that had just begun).
+    patience = 2 * (sum(intervals) + SAMPLE_TIMEOUT_PAD_S * len(intervals))
+    if not flight.lock.acquire(timeout=patience):
+        raise exceptions.Timeout(seconds=patience, what=f"{dom.name()}'s dirty-rate calculation")
+    try:
+        if flight.ended >= arrived and flight.intervals == intervals:
+            return flight.samples
+        samples = _sample_dirty_pages(conn, dom, host, intervals)
+        flight.intervals, flight.samples, flight.ended = intervals, samples, time.monotonic()
+        return samples
+    finally:
+        flight.lock.release()
+
+
+def _sample_dirty_pages(
+    conn: libvirt.virConnect, dom: libvirt.virDomain, host: str, intervals: tuple[int, ...]
+) -> tuple[tuple[float, float], ...]:
     samples = []
     for seconds in intervals:
         with hypervisor.wrap_errors(host, f"start a {seconds} s dirty-rate calculation"):

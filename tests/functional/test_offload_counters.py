@@ -118,10 +118,11 @@ class Flow:
     def key(self):
         return (self.sport, self.dport)
 
-    def listen(self, expect):
+    def listen(self, expect, idle_ms=1500):
         self.receiver = traffic.Receiver(
-            endpoints.exec_prefix(self.eps["r1"]), self.dport, count=expect, idle_ms=1500
-        )
+            endpoints.exec_prefix(self.eps["r1"]), self.dport, count=expect, idle_ms=idle_ms,
+            duration=60.0,
+        )  # fmt: skip
 
     def send(self, count, rate=0):
         out = traffic.send(
@@ -201,3 +202,24 @@ def test_counts_survive_an_offload_service_restart(clab):
     # What the new service counts never exceeds what was sent (before + after).
     got = flow.received()
     assert shown.get(flow.key, 0) <= flow.sent, (shown, flow.sent, got)
+
+
+def test_counts_go_on_after_the_offload_service_crashes_and_restarts(clab):
+    """Killed (SIGKILL) with one flow offloaded and one onloaded: the new run
+    rebuilds their counters from the rules left in the bridge and the entries
+    left pinned in the eSwitch, so each flow's count goes on from there."""
+    service, eps = clab
+    patient = ELEPHANT_POLICY.replace("demote_intervals: 3", "demote_intervals: 600")
+    use_policy(service, patient)
+    fast, slow = Flow(eps, "s1", 42400, 9800), Flow(eps, "s2", 42401, 9801)
+    fast.listen(4000 + 1000 + 500, idle_ms=30_000)  # through the restart's silence
+    slow.listen(200 + 100 + 500, idle_ms=30_000)
+    slow.send(200, rate=200)  # stays onloaded
+    fast.send(4000, rate=4000)  # promoted
+    wait_status(service, lambda s: s["offloaded"] >= 1)
+    service.crash()
+    fast.send(1000, rate=2000)  # through the pinned entry, nobody watching
+    slow.send(100, rate=200)  # through its rule left in the bridge
+    service.start(patient)
+    send_all([fast, slow], 500, rate=1000)
+    check_exact([fast, slow], wait_settled(service, {fast.key, slow.key}))

@@ -7,7 +7,7 @@ from os_ken.ofproto import ofproto_v1_3 as ofp
 from os_ken.ofproto import ofproto_v1_3_parser as parser
 
 from ovs_ext import flows, openflow
-from ovs_ext.providers.base import FlowMatch
+from ovs_ext.providers.base import FlowCounters, FlowMatch
 
 DATAPATH = types.SimpleNamespace(ofproto=ofp, ofproto_parser=parser)
 
@@ -34,6 +34,8 @@ def _action(action):
                 action.idle_timeout, [_spec(s) for s in action.specs])  # fmt: skip
     if isinstance(action, parser.NXActionResubmitTable):
         return ("resubmit", action.table_id)
+    if isinstance(action, parser.NXActionNote):
+        return ("note", bytes(action.note))
     return (action.port, action.max_len)
 
 
@@ -73,13 +75,27 @@ def test_discovery_rules_switch_tcp_udp_count_them_per_flow_and_copy_the_app():
 
 def test_flow_rule_matches_the_five_tuple_and_switches_normal():
     match = FlowMatch("tap0", 6, "10.251.0.10", "10.251.0.20", 40000, 5201)
-    rule = golden(openflow.flow_rule(parser, ofp, flows.flow_cookie(42), 3, match))
+    rule = golden(openflow.flow_rule(parser, ofp, flows.flow_cookie(42), 3, match, 1514))
     assert rule["cookie"] == "0xf1e001000000002a" and rule["priority"] == 100
     assert rule["match"] == {
         "in_port": 3, "eth_type": 0x800, "ip_proto": 6, "ipv4_src": "10.251.0.10",
         "ipv4_dst": "10.251.0.20", "tcp_src": 40000, "tcp_dst": 5201,
     }  # fmt: skip
-    assert rule["actions"] == [(ofp.OFPP_NORMAL, ofp.OFPCML_MAX)]
+    # The note (padded to 6 bytes on the wire) records the first packet's length.
+    assert rule["actions"] == [
+        ("note", bytes.fromhex("000005ea0000")), (ofp.OFPP_NORMAL, ofp.OFPCML_MAX)
+    ]  # fmt: skip
+
+
+def test_the_first_packet_is_read_back_from_a_flow_rule_note():
+    match = FlowMatch("tap0", 17, "10.251.0.10", "10.251.0.20", 40000, 5201)
+    msg = openflow.flow_rule(parser, ofp, flows.flow_cookie(7), 3, match, 60)
+    msg.datapath = DATAPATH
+    msg.serialize()
+    parsed = parser.OFPFlowMod.parser(DATAPATH, ofp.OFP_VERSION, ofp.OFPT_FLOW_MOD, len(msg.buf),
+                                      0, bytes(msg.buf))  # fmt: skip
+    assert openflow.first_packet(parsed.instructions) == FlowCounters(1, 60)
+    assert openflow.first_packet([]) == FlowCounters()
 
 
 def test_table_miss_is_normal_and_exit_keeps_it():

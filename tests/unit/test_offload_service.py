@@ -63,12 +63,13 @@ def test_reload_rejects_an_invalid_policy_and_keeps_the_running_one(tmp_path):
     assert runtime.control.flows.get(match).state.value == "onloaded"
 
 
-def test_stale_provider_entries_are_cleared_at_start():
+def test_stale_provider_entries_are_taken_at_start_with_their_counters():
     provider = FakeProvider()
     stale = FlowMatch("tap0", 17, "10.0.0.1", "10.0.0.2", 1, 2)
     provider.entries[stale] = FlowCounters(5, 500)
-    assert service.clear_stale_entries(provider, "fake") == 1
+    assert service.take_stale_entries(provider, "fake") == {stale: FlowCounters(5, 500)}
     assert provider.entries == {}
+    assert service.take_stale_entries(provider, "fake") == {}
 
 
 def test_the_lab_config_is_valid_for_the_service(tmp_path):

@@ -150,7 +150,12 @@ class LabOffload:
                 raise errors.LabError(
                     reason=f"flexmig-offload on {self.host.name} exited: {self.log_tail()}"
                 )
-            return status.exists()
+            try:
+                shown = json.loads(status.read_text())
+            except (FileNotFoundError, ValueError):
+                return False
+            # Judging: the app's rules are in and the datapath's cached flows purged.
+            return bool(shown.get("bridge", {}).get("judging"))
 
         processutil.wait_for(
             ready,
@@ -167,6 +172,18 @@ class LabOffload:
             lambda: not self.running(),
             timeout=STOP_TIMEOUT,
             what=f"flexmig-offload on {self.host.name} to stop",
+        )
+
+    def crash(self) -> None:
+        """SIGKILL: the service dies without handing anything back (its rules stay
+        in the bridge, its entries pinned in the provider)."""
+        if not self.running():
+            return
+        self.host.ns.run(["sh", "-c", f"kill -KILL $(cat {PID_FILE})"], check=False)
+        processutil.wait_for(
+            lambda: not self.running(),
+            timeout=STOP_TIMEOUT,
+            what=f"flexmig-offload on {self.host.name} to die",
         )
 
     def reload(self, policy_text: str) -> None:

@@ -1,0 +1,450 @@
+"""The fault campaign (issue 18): every fault against every migration path, many times.
+
+    FLEXMIG_LAB_NAME=<lab> flock -x /work/wt/lab.lock \\
+        .venv/bin/python -m tests.bench.fault_campaign [--budget-min 12] [--cells GLOB]
+        [--runs N] [--list] [--table-only]
+
+A cell is mode x transport x fault x injection point (``cells()``).  Each run
+boots nothing new: one small guest per memory kind stays up for the whole
+session and goes back and forth between hosts A and B.  A run starts a
+migration through the engine (``migrate_cli.start``), waits for the injection
+point, injects the fault, repairs what the fault broke (the link back up, the
+daemon restarted: what an operator or systemd does), follows the migration to
+its end and then checks:
+
+- the VM runs on exactly one host, and its guest's ``verify`` finds 0 bad and
+  0 lost pages;
+- nothing is left behind: no split reservation on either agent, no memory
+  cgroup, no mover process, socket or token file, no store file of the VM on
+  the host it does not run on;
+- the next migration of the VM (back where it came from) completes.
+
+Results accumulate across sessions in ``docs/benchmarks/faults.json``, keyed by
+cell (a session runs the cells with the fewest runs first, until its time
+budget is spent), and ``docs/benchmarks/faults.md`` is regenerated from it.
+A lost VM or page is a bug: the run stops the campaign and says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import fnmatch
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import libvirt
+
+from flexmig import exceptions, hypervisor, migrate_cli, processutil
+from flexmig_lab import fabric, vm
+from flexmig_lab.lab import CGROUP_ROOT, Lab
+
+RESULTS = Path("docs/benchmarks/faults.json")
+TABLE = Path("docs/benchmarks/faults.md")
+COMMAND = (
+    "FLEXMIG_LAB_NAME=<lab> flock -x /work/wt/lab.lock "
+    ".venv/bin/python -m tests.bench.fault_campaign --budget-min 12"
+)
+TARGET_RUNS = 20
+BANDWIDTH_MIB = 24  # slow enough that a fault lands inside the migration
+# Small guests keep a run short: the precopy one converges in a few rounds,
+# the postcopy one dirties faster than the capped link (hybrid really switches).
+GUESTS = {
+    "file": dict(ram="256M", workload="dirtier:wss=64M,rate=1500", memory_backing="file"),
+    "anon": dict(ram="256M", workload="dirtier:wss=96M,rate=60000", memory_backing="anonymous"),
+}
+MODES = {"precopy": "file", "postcopy": "anon", "split": "file"}
+SPLIT_BUDGET_MB = 300  # B offers 140 MiB for the 256 MiB guest (QEMU takes 160): split
+FULL_BUDGET_MB = 4096
+TRANSPORTS = ("qemu-tcp", "mover")
+FAULTS = (
+    "kill-src-agent", "kill-dst-agent", "kill-src-mover", "kill-dst-mover", "cut-2s",
+    "cut-30s", "restart-src-libvirtd", "restart-dst-libvirtd", "kill-dst-qemu",
+)  # fmt: skip
+POINTS = ("round", "postcopy-switch", "switchover")
+PHASE_TIMEOUT_S = 120.0
+SETTLE_TIMEOUT_S = 180.0
+AGENT_STATE_DIR = "/run/flexmig"  # the agents' state_dir inside a lab host
+
+
+@dataclasses.dataclass(frozen=True)
+class Cell:
+    mode: str
+    transport: str
+    fault: str
+    point: str
+
+    @property
+    def key(self) -> str:
+        return f"{self.mode}/{self.transport}/{self.fault}/{self.point}"
+
+
+def cells() -> list[Cell]:
+    """Every combination that exists: movers only on the mover transport, the
+    postcopy switch only in hybrid postcopy."""
+    found = []
+    for mode in MODES:
+        for transport in TRANSPORTS:
+            for fault in FAULTS:
+                if "mover" in fault and transport != "mover":
+                    continue
+                for point in POINTS:
+                    if point == "postcopy-switch" and mode != "postcopy":
+                        continue
+                    found.append(Cell(mode, transport, fault, point))
+    return found
+
+
+# -- results ---------------------------------------------------------------------
+def load_results(path: Path = RESULTS) -> dict[str, dict[str, Any]]:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def add_run(results: dict[str, dict[str, Any]], cell: Cell, run: dict[str, Any]) -> None:
+    row = results.setdefault(
+        cell.key,
+        {"runs": 0, "completed": 0, "failed": 0, "vm_lost": 0, "bad_pages": 0,
+         "lost_pages": 0, "leftovers": 0, "next_ok": 0, "recovered": 0, "notes": []},
+    )  # fmt: skip
+    row["runs"] += 1
+    row["completed" if run["state"] == "completed" else "failed"] += 1
+    row["vm_lost"] += int(run["hosts"] != 1)
+    row["bad_pages"] += run["bad"]
+    row["lost_pages"] += run["lost"]
+    row["leftovers"] += int(bool(run["leftovers"]))
+    row["next_ok"] += int(run["next_ok"])
+    row["recovered"] += int(run["recovered"])
+    for note in run["leftovers"] + ([run["error"]] if run["error"] else []):
+        short = note[:120]
+        if short not in row["notes"] and len(row["notes"]) < 4:
+            row["notes"].append(short)
+
+
+def render_table(results: dict[str, dict[str, Any]]) -> str:
+    lines = [
+        "# Fault campaign (issue 18, part 1)",
+        "",
+        f"Command: `{COMMAND}` (accumulates into `{RESULTS}`; re-run to add runs).",
+        f"Target: {TARGET_RUNS} runs per cell; {len(cells())} cells. A run injects the",
+        "fault at the point, repairs it (link up, daemon restarted), follows the",
+        "migration to its end, checks the VM runs on exactly one host, the guest's",
+        "`verify`, leftovers (split reservation, memory cgroup, mover process/socket/",
+        "token, store file on the other host) and that the next migration completes.",
+        "",
+        "| cell (mode/transport/fault/point) | runs | completed | failed | VM lost "
+        "| bad pages | lost pages | leftovers | next ok | postcopy resumed |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for cell in cells():
+        row = results.get(cell.key)
+        if row is None:
+            continue
+        lines.append(
+            f"| {cell.key} | {row['runs']} | {row['completed']} | {row['failed']} | "
+            f"{row['vm_lost']} | {row['bad_pages']} | {row['lost_pages']} | "
+            f"{row['leftovers']} | {row['next_ok']} | {row['recovered']} |"
+        )
+    done = sum(1 for c in cells() if results.get(c.key, {}).get("runs", 0) >= TARGET_RUNS)
+    started = sum(1 for c in cells() if c.key in results)
+    lines += [
+        "",
+        f"Cells run so far: {started} of {len(cells())}; at {TARGET_RUNS} runs: {done}.",
+        "",
+        "Notes (first errors and leftovers seen per cell):",
+        "",
+    ]
+    for cell in cells():
+        for note in results.get(cell.key, {}).get("notes", []):
+            lines.append(f"- {cell.key}: {note}")
+    return "\n".join(lines) + "\n"
+
+
+def save(results: dict[str, dict[str, Any]]) -> None:
+    RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    TABLE.write_text(render_table(results))
+
+
+# -- one run ---------------------------------------------------------------------
+class Campaign:
+    def __init__(self, lab: Lab) -> None:
+        self.lab = lab
+        self.guests: dict[str, str] = {}  # memory kind -> VM name
+        self.budgets: dict[str, int] = {}
+        self.files_before: set[str] = set()
+
+    def budget(self, host: str, mb: int) -> None:
+        """Set a host's VM budget (restarting its agent) only when it changes."""
+        if self.budgets.get(host, FULL_BUDGET_MB) != mb:
+            self.lab.set_budget(host, mb)
+            self.budgets[host] = mb
+
+    def guest(self, kind: str) -> str:
+        name = self.guests.get(kind)
+        if name is None:
+            name = f"fc{kind}"
+            if name not in vm.list_vms(self.lab):
+                vm.create(self.lab, "A", name=name, **GUESTS[kind])
+            self.guests[kind] = name
+        return name
+
+    def run(self, cell: Cell) -> dict[str, Any]:
+        name = self.guest(MODES[cell.mode])
+        src = self.lab.vm_host(name)
+        if src is None:
+            raise CampaignStop(f"{name} runs nowhere before the run")
+        dst = "B" if src == "A" else "A"
+        self.budget(dst, SPLIT_BUDGET_MB if cell.mode == "split" else FULL_BUDGET_MB)
+        request = dict(mode=cell.mode, transport=cell.transport, bandwidth_mib=BANDWIDTH_MIB)
+        self.files_before = self.mover_files()
+        try:
+            _, agent, mid = migrate_cli.start(self.lab, name, dst, **request)
+        except exceptions.FlexMigError as exc:
+            self.budget(dst, FULL_BUDGET_MB)
+            return self.check(name, {"state": "refused", "error": str(exc)}, src, dst, False)
+        try:
+            injected = self.wait_point(agent, mid, cell.point)
+        except exceptions.Timeout:
+            injected = False
+        if injected:
+            self.inject(cell.fault, src, dst)
+        record = self.follow(src, mid)
+        self.budget(dst, FULL_BUDGET_MB)
+        return self.check(name, record, src, dst, injected)
+
+    def wait_point(self, agent: Any, mid: str, point: str) -> bool:
+        """True once the migration reached ``point``; False if it ended first."""
+
+        def reached() -> dict[str, Any] | None:
+            record = agent.get(f"/v1/migrations/{mid}")
+            if record["state"] not in ("planning", "running"):
+                return record
+            progress = record.get("progress") or {}
+            if point == "round" and record["phase"] == "precopy":
+                return record
+            if point == "postcopy-switch" and record["phase"] == "postcopy":
+                return record
+            total = progress.get("memory_total") or 0
+            left = progress.get("memory_remaining", total)
+            if point == "switchover" and total and left < total // 10:
+                return record
+            return None
+
+        record = processutil.wait_for(
+            reached, timeout=PHASE_TIMEOUT_S, interval=0.1, what=f"point {point}"
+        )
+        if point == "round":
+            time.sleep(random.uniform(0.2, 2.0))  # somewhere inside a round
+        return record["state"] in ("planning", "running")
+
+    def inject(self, fault: str, src: str, dst: str) -> None:
+        host = {"src": self.lab.host(src), "dst": self.lab.host(dst)}
+        side = "src" if "-src-" in fault else "dst"
+        if fault.endswith("-agent"):
+            host[side].ns.run(["pkill", "-KILL", "-f", "agents.agent.service"], check=False)
+            time.sleep(1.0)  # systemd's restart delay, roughly
+            restart_agent(host[side])
+        elif fault.endswith("-mover"):
+            host[side].ns.run(["pkill", "-KILL", "-f", "flexmig-mover"], check=False)
+        elif fault.startswith("cut-"):
+            spec = host["dst"].spec
+            fabric.set_mgmt_link(spec, False)
+            time.sleep(float(fault[4:-1]))
+            fabric.set_mgmt_link(spec, True)
+        elif fault.endswith("-libvirtd"):
+            host[side].ns.run(["sh", "-c", "kill -TERM $(cat /run/libvirtd.pid)"], check=False)
+            processutil.wait_for(
+                lambda: not host[side]._pid_alive("/run/libvirtd.pid"),
+                timeout=30,
+                what="libvirtd to stop",
+            )
+            host[side]._start_libvirt()
+        elif fault == "kill-dst-qemu":
+            host["dst"].ns.run(["pkill", "-KILL", "-f", "qemu-system"], check=False)
+        else:
+            raise ValueError(fault)
+
+    def follow(self, src: str, mid: str) -> dict[str, Any]:
+        """The migration's end as its source agent reports it (a restarted agent
+        no longer knows it: then libvirt's view is all there is)."""
+        try:
+            return migrate_cli.follow(self.lab.agent(src), mid)
+        except (exceptions.FlexMigError, KeyError, OSError) as exc:
+            return {"state": "unknown", "error": f"not followed: {exc}", "summary": {}}
+
+    def check(self, name: str, record: dict[str, Any], src: str, dst: str,
+              injected: bool) -> dict[str, Any]:  # fmt: skip
+        running = self.settled(name)
+        run: dict[str, Any] = {
+            "state": record.get("state"),
+            "error": record.get("error") or ("" if injected else "ended before the fault"),
+            "hosts": len(running),
+            "bad": 0,
+            "lost": 0,
+            "leftovers": [],
+            "next_ok": False,
+            "recovered": bool((record.get("summary") or {}).get("recovered")),
+        }
+        if len(running) != 1:
+            return run
+        guest = self.lab.guest(name)
+        guest.wait_heartbeat(host=running[0])
+        check = guest.verify()
+        run["bad"], run["lost"] = check["bad"], check["lost"]
+        run["leftovers"] = self.leftovers(name, running[0])
+        back = dst if running[0] == src else src
+        try:
+            result = migrate_cli.migrate(self.lab, name, back, show=False)
+        except exceptions.FlexMigError as exc:
+            run["error"] = f"{run['error']}; next migration: {exc}".lstrip("; ")
+            return run
+        run["next_ok"] = result["state"] == "completed" and result["verify"]["bad"] == 0
+        if not run["next_ok"]:
+            run["error"] = f"{run['error']}; next migration: {result['error']}".lstrip("; ")
+        return run
+
+    def settled(self, name: str) -> list[str]:
+        """The hosts running the VM once no libvirt job on it is left (a job that
+        outlived its agent, a paused postcopy awaiting recovery), or as they are
+        after SETTLE_TIMEOUT_S: a VM paused on both hosts then counts as lost."""
+        seen: list[str] = []
+
+        def quiet() -> bool:
+            nonlocal seen
+            seen, busy = self.running_on(name)
+            return len(seen) == 1 and not busy
+
+        try:
+            processutil.wait_for(quiet, timeout=SETTLE_TIMEOUT_S, interval=1.0, what="settle")
+        except exceptions.Timeout:
+            pass
+        return seen
+
+    def running_on(self, name: str) -> tuple[list[str], bool]:
+        """(hosts where the domain is active, whether any has a job running)."""
+        found, busy = [], False
+        for host in self.lab.hosts():
+            try:
+                with hypervisor.connect(host.local_uri, host.name) as conn:
+                    dom = hypervisor.find_domain(conn, name)
+                    if dom is not None and dom.isActive():
+                        found.append(host.name)
+                        busy = busy or dom.jobInfo()[0] != libvirt.VIR_DOMAIN_JOB_NONE
+            except (exceptions.FlexMigError, libvirt.libvirtError):
+                busy = True  # its libvirtd is (re)starting
+        return found, busy
+
+    def mover_files(self) -> set[str]:
+        """The movers' state files on every host (their logs are diagnostics, kept)."""
+        found = set()
+        for host in self.lab.hosts():
+            state = host.ns.root_path(AGENT_STATE_DIR)
+            if state.exists():
+                found |= {f"{host.name}:{p.name}" for p in state.glob("mover-*")}
+        return {f for f in found if not f.endswith(".log")}
+
+    def leftovers(self, name: str, where: str) -> list[str]:
+        found = []
+        stray = sorted(self.mover_files() - self.files_before)
+        if stray:
+            found.append(f"mover files {stray[:3]}")
+        for host in self.lab.hosts():
+            found += self.agent_leftovers(host.name, name, where)
+            movers = host.ns.run(["pgrep", "-f", "flexmig-mover"], check=False).stdout.split()
+            if movers:
+                found.append(f"{len(movers)} mover process(es) on {host.name}")
+            if host.name != where:
+                group = CGROUP_ROOT / f"lab-{host.name.lower()}" / name
+                if group.exists():
+                    found.append(f"memory cgroup {group}")
+                files = list(host.store_dir.rglob(f"*{name}*"))
+                if files:
+                    found.append(f"store files on {host.name}: {[p.name for p in files[:3]]}")
+        return found
+
+    def agent_leftovers(self, host: str, name: str, where: str) -> list[str]:
+        """A reservation left on the host the VM is not on; an agent that is not
+        answering after the run is a finding too (and is started again)."""
+        try:
+            reservation = self.lab.agent(host).get(f"/v1/split/{name}")["reservation"]
+        except exceptions.FlexMigError as exc:
+            restart_agent(self.lab.host(host))
+            return [f"agent on {host} not answering after the run ({exc})"]
+        return [f"reservation on {host}"] if reservation is not None and host != where else []
+
+
+def restart_agent(host: Any) -> None:
+    """Start a killed agent again: its socket file outlives it, and the lab
+    takes an existing socket for a running agent."""
+    host.agent_socket.unlink(missing_ok=True)
+    host.start_agent()
+
+
+class CampaignStop(Exception):
+    """A VM or page was lost: stop and look (a bug, not a row)."""
+
+
+# -- the session -----------------------------------------------------------------
+def choose(results: dict[str, dict[str, Any]], patterns: list[str], runs: int) -> list[Cell]:
+    """The cells to run, fewest runs first (so sessions fill the matrix evenly)."""
+    todo = [c for c in cells() if any(fnmatch.fnmatch(c.key, p) for p in patterns)]
+    todo = [c for c in todo if results.get(c.key, {}).get("runs", 0) < TARGET_RUNS]
+    todo.sort(key=lambda c: (results.get(c.key, {}).get("runs", 0), c.key))
+    return [c for c in todo for _ in range(runs)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--budget-min",
+        type=float,
+        default=12.0,
+        help="stop starting runs after this many minutes (lab lock holds)",
+    )
+    parser.add_argument(
+        "--cells",
+        action="append",
+        help="glob over mode/transport/fault/point (repeatable; default all)",
+    )
+    parser.add_argument("--runs", type=int, default=1, help="runs per chosen cell this session")
+    parser.add_argument("--list", action="store_true", help="print the cells and exit")
+    parser.add_argument("--table-only", action="store_true", help="re-render the table")
+    args = parser.parse_args(argv)  # fmt: skip
+    results = load_results()
+    if args.list:
+        for cell in cells():
+            print(cell.key, results.get(cell.key, {}).get("runs", 0))
+        return 0
+    if args.table_only:
+        save(results)
+        return 0
+    deadline = time.monotonic() + args.budget_min * 60
+    lab = Lab()
+    lab.up()
+    campaign = Campaign(lab)
+    status = 0
+    try:
+        for cell in choose(results, args.cells or ["*"], args.runs):
+            if time.monotonic() >= deadline:
+                break
+            started = time.monotonic()
+            run = campaign.run(cell)
+            add_run(results, cell, run)
+            save(results)
+            print(f"{datetime.datetime.now():%H:%M:%S} {cell.key}: {json.dumps(run)} "
+                  f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
+            if run["hosts"] != 1 or run["bad"] or run["lost"]:
+                raise CampaignStop(f"{cell.key}: {run}")
+    except CampaignStop as exc:
+        print(f"STOP: a VM or page was lost: {exc}", flush=True)
+        status = 1
+    finally:
+        lab.down()
+    return status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,38 @@
+"""The fault campaign's bookkeeping: which cells exist, how runs accumulate."""
+
+from tests.bench import fault_campaign as fc
+
+
+def _run(**kw):
+    run = {"state": "failed", "error": "", "hosts": 1, "bad": 0, "lost": 0,
+           "leftovers": [], "next_ok": True, "recovered": False}  # fmt: skip
+    return run | kw
+
+
+def test_cells_pair_movers_with_the_mover_transport_and_the_switch_with_postcopy():
+    keys = {c.key for c in fc.cells()}
+    assert "precopy/mover/kill-dst-mover/round" in keys
+    assert not any("qemu-tcp/kill-" in k and "mover" in k.split("/")[2] for k in keys)
+    assert not any(k.endswith("postcopy-switch") and not k.startswith("postcopy/") for k in keys)
+    assert len(keys) == len(fc.cells())
+
+
+def test_runs_accumulate_by_cell_and_losses_are_counted():
+    cell = fc.cells()[0]
+    results = {}
+    fc.add_run(results, cell, _run(state="completed"))
+    fc.add_run(results, cell, _run(hosts=0, leftovers=["reservation on B"], next_ok=False))
+    row = results[cell.key]
+    assert (row["runs"], row["completed"], row["failed"], row["vm_lost"]) == (2, 1, 1, 1)
+    assert (row["leftovers"], row["next_ok"]) == (1, 1)
+    assert row["notes"] == ["reservation on B"]
+    table = fc.render_table(results)
+    assert f"| {cell.key} | 2 | 1 | 1 | 1 |" in table
+
+
+def test_sessions_take_the_cells_with_the_fewest_runs_first():
+    first, second = fc.cells()[:2]
+    results = {first.key: {"runs": 3}, second.key: {"runs": fc.TARGET_RUNS}}
+    chosen = fc.choose(results, ["*"], 1)
+    assert second not in chosen  # done
+    assert chosen[-1] == first  # every other cell has 0 runs
