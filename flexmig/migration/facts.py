@@ -158,8 +158,7 @@ class _SampleFlight:
     """One VM's dirty-rate calculations, one at a time: QEMU refuses a second
     while one runs ("the dirty rate is already being measured"), so concurrent
     plans of one VM failed (found by 100 concurrent plan requests).  Callers
-    take the samples of a calculation that ended while they waited or no
-    longer ago than it lasted."""
+    that waited take the samples of the calculation that ended meanwhile."""
 
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     intervals: tuple[int, ...] = ()
@@ -184,9 +183,7 @@ def sample_dirty_pages(
     if not flight.lock.acquire(timeout=patience):
         raise exceptions.Timeout(seconds=patience, what=f"{dom.name()}'s dirty-rate calculation")
     try:
-        # A calculation that ended while this caller waited, or no longer ago
-        # than it lasts, is as current as a new one would be.
-        if flight.ended >= arrived - sum(intervals) and flight.intervals == intervals:
+        if flight.ended >= arrived and flight.intervals == intervals:
             return flight.samples
         samples = _sample_dirty_pages(conn, dom, host, intervals)
         flight.intervals, flight.samples, flight.ended = intervals, samples, time.monotonic()
