@@ -125,7 +125,10 @@ class MoverProcess:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(5)
+        # The ready file too: a failed migration's killed movers left it behind
+        # (found by the fault campaign's killed-mover cell).
         self.token_file.unlink(missing_ok=True)
+        self.ready_file.unlink(missing_ok=True)
 
 
 class MoverSet:
