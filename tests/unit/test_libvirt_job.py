@@ -11,7 +11,6 @@ import dataclasses
 
 import libvirt
 
-from flexmig.migration import libvirt_job
 from flexmig.migration.libvirt_job import JobConfig, MigrationJob
 from tests.unit.engine_fakes import make_plan
 
@@ -125,14 +124,8 @@ def test_the_plans_switch_becomes_migrate_start_postcopy():
     assert events == [f"switched to postcopy after round {after}"]
 
 
-def test_parallel_connections_become_libvirts_parallel_flag_and_parameter(monkeypatch):
-    started: list[tuple[dict, int]] = []
-    monkeypatch.setattr(
-        libvirt_job.hypervisor,
-        "start_migration",
-        lambda dom, host, uri, params, flags, *source: started.append((params, flags))
-        or (None, []),
-    )
+def test_parallel_connections_become_libvirts_parallel_flag_and_parameter(started_migrations):
+    started = started_migrations
     for parallel in (1, 4):
         plan = dataclasses.replace(make_plan(), parallel=parallel)
         job = MigrationJob(
