@@ -3,9 +3,11 @@ a migration running meanwhile; the agent keeps answering.
 
 Real lab hosts: the plans are the real ones (dirty-rate sampling through
 libvirt, the destination agent's facts), sent at once from 100 threads over
-the agent's UNIX socket.  Every plan is answered (200) or refused for load by
-closing the connection (the agent's [agent] workers + max_queued bound), never
-with an error; health checks sent meanwhile are answered within HEALTH_LIMIT_S.
+the agent's UNIX socket.  Every plan is answered (200) or refused for load
+(503 with a Retry-After: beyond [agent] expensive_workers + expensive_queued,
+agents/agent/admission.py), never with an error; a refused plan sent again
+after its Retry-After is planned; health checks sent meanwhile are answered
+within HEALTH_LIMIT_S (before the admission gate: 27 s, queued behind plans).
 """
 
 from __future__ import annotations
@@ -16,22 +18,25 @@ import time
 
 import pytest
 
-from agents.agent.client import AgentError
+from agents.agent.client import AgentBusy, AgentError
 from flexmig import migrate_cli
 from flexmig_lab import vm
 
 pytestmark = pytest.mark.lab
 
 CLIENTS = 100
-HEALTH_LIMIT_S = 15.0  # queued behind up to [agent] workers + max_queued plans of ~1 s
+HEALTH_LIMIT_S = 15.0  # the issue's bound; cheap routes never wait behind plans now
 
 
 def _plan(lab, name):
     started = time.monotonic()
     try:
         reply = migrate_cli.explain(lab, name, "B", mode="precopy")
+    except AgentBusy as exc:
+        assert exc.retry_after >= 1, exc
+        return ("refused", exc.retry_after, time.monotonic() - started)
     except AgentError as exc:
-        # Closed unanswered (the queue bound) is a refusal; a status is an error.
+        # Closed unanswered (the listener's own bound) is a refusal; any other status an error.
         kind = "error" if re.search(r": [45]\d\d ", str(exc)) else "refused"
         return (kind, str(exc), time.monotonic() - started)
     return ("planned", reply["mode"], time.monotonic() - started)
@@ -58,11 +63,20 @@ def test_100_concurrent_plans_are_all_answered_while_health_stays_quick(lab):
             results = [p.result() for p in plans]
         kinds = {kind for kind, _detail, _s in results}
         planned = [r for r in results if r[0] == "planned"]
+        refused = [r for r in results if r[0] == "refused"]
+        print(
+            f"{len(planned)} planned, {len(refused)} refused; slowest health "
+            f"{slowest_health:.2f} s; slowest plan {max(r[2] for r in planned):.1f} s"
+        )
         assert kinds <= {"planned", "refused"}, results
         assert all(detail == "precopy" for _k, detail, _s in planned)
-        # The agent's queue bound (workers + max_queued) may refuse some; most are planned.
-        assert len(planned) >= CLIENTS // 2, [r for r in results if r[0] != "planned"][:3]
+        assert planned, results[:3]
         assert slowest_health < HEALTH_LIMIT_S
+        # A refusal is a promise: sent again after its Retry-After, the plan is made.
+        waits = [detail for _k, detail, _s in refused if isinstance(detail, int)]
+        if refused:
+            time.sleep(max(waits, default=1))
+            assert _plan(lab, "load")[:2] == ("planned", "precopy")
         assert guest.locate() == "A"
     finally:
         vm.destroy(lab, "load")
