@@ -73,6 +73,7 @@ class OffloadApp(app_manager.OSKenApp):
         self._handoffs_seen: set[int] = set()
         self.watched: dict[str, int] = {}
         self._barrier_done = threading.Event()
+        self._final_read: tuple[int, list[Any], threading.Event] | None = None  # read_rules
         # Whether packet-ins are judged yet: not until the datapath's cached flows
         # from before this connection are purged (see _switch_features).
         self.judging = False
@@ -268,9 +269,9 @@ class OffloadApp(app_manager.OSKenApp):
                 rule = openflow.flow_rule(
                     dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match, msg.total_len
                 )
-            else:  # counts only; its first packet is not noted (not read back)
+            else:  # counts only (Neutron's pipeline forwards), first packet noted
                 rule = self.rt.pipeline.flow_rule(
-                    dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match
+                    dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match, msg.total_len
                 )
             self.send(rule)
 
@@ -322,6 +323,12 @@ class OffloadApp(app_manager.OSKenApp):
     def _flow_stats(self, ev: Any) -> None:
         msg = ev.msg
         if msg.datapath is not self.datapath:
+            return
+        final = self._final_read
+        if final is not None and msg.xid == final[0]:
+            final[1].extend(msg.body)
+            if not msg.flags & msg.datapath.ofproto.OFPMPF_REPLY_MORE:
+                final[2].set()
             return
         if self._read_back is not None:
             self._read_back.extend(msg.body)
@@ -407,6 +414,22 @@ class OffloadApp(app_manager.OSKenApp):
 
     def ofport_of(self, name: str | None) -> int | None:
         return None if name is None else self.port_numbers.get(name)
+
+    def read_rules(self, timeout: float) -> list[Any] | None:
+        """The statistics of every rule the app owns, read now (a clean stop's
+        final counts; the poller is stopped); None if OVS did not answer in time."""
+        dp = self.datapath
+        if dp is None:
+            return None
+        request = openflow.owned_stats_request(dp.ofproto_parser, dp.ofproto)
+        dp.set_xid(request)
+        parts: list[Any] = []
+        done = threading.Event()
+        self._final_read = (request.xid, parts, done)
+        self.send(request)
+        answered = done.wait(timeout)
+        self._final_read = None
+        return parts if answered else None
 
     def remove_judging_rules(self, timeout: float) -> bool:
         """At exit: every flow back to the NORMAL table-miss rule; True once OVS confirmed."""

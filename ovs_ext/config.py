@@ -161,6 +161,16 @@ offload_opts = [
         "reason it is onloaded or offloaded. Empty: not written.",
     ),
     cfg.StrOpt(
+        "counters_file",
+        default="/run/flexmig/offload-counters.json",
+        help="Where a clean stop (SIGTERM) keeps every flow's counters, read back "
+        "(and removed) at the next start, so a flow's count goes on instead of "
+        "starting over. A crash needs no file: the rules left in the bridge and "
+        "the entries pinned in the provider hold the counts. Packets sent while "
+        "the service is stopped are switched by the bridge uncounted. Empty: "
+        "counters start over after a clean stop.",
+    ),
+    cfg.StrOpt(
         "control_socket",
         default="/run/flexmig/offload-control.sock",
         help="UNIX socket (mode 0600) of the local control interface the host's "

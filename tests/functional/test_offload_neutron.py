@@ -308,3 +308,26 @@ def test_app_survives_neutron_resync_of_its_rules_and_controller(nlab):
     settle()
     assert wait_flow(service, 42005, 7002, timeout=5)["packets"] == packets
     assert neutron_rules(host) == golden
+
+
+def test_a_neutron_flow_counts_on_exactly_after_the_service_crashes(nlab):
+    """SIGKILL beside Neutron: the new run reads the flow's rule back (its first
+    packet from the rule's note: without it the count came back one short)."""
+    _host, service, eps, _golden = nlab
+    patient = POLICY.replace("promote_pps: 2000", "promote_pps: 100000000")  # stays onloaded
+    service.reload(patient)
+    sport, dport, before, after = 42006, 7003, 300, 200
+    receiver = receive(eps, dport, before + after)
+    send(eps, "s2", sport, dport, before, rate=0)  # starts with a burst
+    settle()
+    assert wait_flow(service, sport, dport, timeout=5)["packets"] == before
+    service.crash()
+    service.start(patient, provider="xdp", options=NEUTRON_OPTIONS)
+    wait_status(service, lambda s: {"ep-s1", "ep-s2", "ep-r1"} <= set(s["ports"]))
+    wait_status(service, lambda s: s.get("bridge", {}).get("judging"), what="judging again")
+    send(eps, "s2", sport, dport, after, rate=1000)
+    assert receiver.result()["received_packets"] == before + after  # a loss-free run
+    settle()
+    counted = wait_flow(service, sport, dport, lambda f: f["packets"] >= before + after - 1)
+    assert counted["packets"] == before + after
+    service.reload(POLICY)
