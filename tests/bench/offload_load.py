@@ -200,10 +200,12 @@ def run(lab, eps, trials: int) -> Result:
     prefix = endpoints.exec_prefix(eps["r1"])
     mice_rx = traffic.Receiver(prefix, MICE_PORT, count=flows * PER_FLOW, idle_ms=5000,
                                duration=duration + 60)  # fmt: skip
-    big_rx = traffic.Receiver(prefix, ELEPHANT_PORT, count=0, idle_ms=8000, duration=duration + 60)
     mice = start_mice(eps, flows)
     try:
         time.sleep(WARMUP_S)
+        # Every elephant's datagrams: it ends as soon as all came (a loss-free run).
+        big_rx = traffic.Receiver(prefix, ELEPHANT_PORT, count=trials * (1 + 2 * ELEPHANT_PPS),
+                                  idle_ms=20_000, duration=duration + 60)  # fmt: skip
         with Dumpers(service, result):
             for i in range(trials):
                 result.load.append(os.getloadavg()[0])
