@@ -56,6 +56,7 @@ WINDOW_S = 0.2
 POLL_S = 0.05
 DUMPERS = 20
 OPERATOR_TIMEOUT_S = 10.0
+FLOW_SETUP_TIMEOUT_S = 30.0  # a new flow's first packet -> the flow in the status file
 TARGET_MS = 200.0  # docs/benchmarks/offload-control.md: offloaded within 200 ms
 POLICY = (
     "capacity: 1024\nstatistics:\n"
@@ -78,7 +79,12 @@ class Result:
     mice_bad: list[str] = dataclasses.field(default_factory=list)
     elephants_bad: list[str] = dataclasses.field(default_factory=list)
     elephants_exact: int = 0
+    never_offloaded: int = 0
     load: list[float] = dataclasses.field(default_factory=list)
+    setup_s: list[float | None] = dataclasses.field(default_factory=list)
+    # [s since start, flows in the status file, its age s, service CPU s in the last s, load]
+    timeline: list[list[float]] = dataclasses.field(default_factory=list)
+    log_tail: str = ""
 
 
 def shown(service: offload.LabOffload, timeout: float = 60.0) -> dict[tuple[int, int], int]:
@@ -160,11 +166,17 @@ def operator_dump(service: offload.LabOffload, result: Result, must_show: set[tu
     result.active_flows.append(sum(1 for (_s, d) in table if d == MICE_PORT))
 
 
-def elephant(service, eps, sport: int) -> tuple[float, int]:
-    """One promotion under load: (latency ms, packets sent)."""
+def elephant(service, eps, sport: int, result: Result) -> tuple[float | None, int]:
+    """One promotion under load: (latency ms or None if never offloaded, packets sent)."""
     prefix = endpoints.exec_prefix(eps["s1"])
+    started = time.monotonic()
     traffic.send(prefix, eps["r1"].ip, ELEPHANT_PORT, sport=sport, count=1, rate=1000)
-    wait_flow(service, sport, ELEPHANT_PORT, lambda f: True, 10)
+    try:
+        wait_flow(service, sport, ELEPHANT_PORT, lambda f: True, FLOW_SETUP_TIMEOUT_S)
+    except exceptions.Timeout:
+        result.setup_s.append(None)
+        return None, 1
+    result.setup_s.append(time.monotonic() - started)
     time.sleep(WINDOW_S + 0.3)  # idle: the window holds nothing
     count = ELEPHANT_PPS * 2
     cmd = [*prefix, str(traffic.UDPGEN), "send", "--dst", eps["r1"].ip]
@@ -174,11 +186,54 @@ def elephant(service, eps, sport: int) -> tuple[float, int]:
     sender = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         flow = wait_flow(service, sport, ELEPHANT_PORT, lambda f: f["state"] == "offloaded", 10)
+    except exceptions.Timeout:
+        flow = None
     finally:
         out, _ = sender.communicate(timeout=30)
     sent = 1 + int(json.loads(out)["sent_packets"])
     crossed = t0 + WINDOW_S * PROMOTE_PPS / ELEPHANT_PPS
-    return (flow["offloaded_at"] - crossed) * 1000, sent
+    return (None if flow is None else (flow["offloaded_at"] - crossed) * 1000), sent
+
+
+class Timeline:
+    """Once a second: flows in the status file, its age, the service's CPU share."""
+
+    def __init__(self, service: offload.LabOffload, result: Result) -> None:
+        self.service, self.result = service, result
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _cpu_s(self) -> float:
+        try:
+            pid = int(self.service.host.ns.root_path(offload.PID_FILE).read_text())
+            fields = self.service.host.ns.root_path(f"/proc/{pid}/stat").read_text().split()
+            return (int(fields[13]) + int(fields[14])) / os.sysconf("SC_CLK_TCK")
+        except (OSError, ValueError, IndexError):
+            return -1.0
+
+    def _loop(self) -> None:
+        start, cpu = time.monotonic(), self._cpu_s()
+        while not self.stop.wait(1.0):
+            path = self.service.host.ns.root_path(offload.STATUS_FILE)
+            try:
+                age = time.time() - path.stat().st_mtime
+                flows = len(json.loads(path.read_text())["flows"])
+            except (OSError, ValueError, KeyError):
+                age, flows = -1.0, -1
+            now_cpu = self._cpu_s()
+            self.result.timeline.append(
+                [round(time.monotonic() - start, 1), flows, round(age, 2),
+                 round(now_cpu - cpu, 2), round(os.getloadavg()[0], 1)]
+            )  # fmt: skip
+            cpu = now_cpu
+
+    def __enter__(self) -> Timeline:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(10)
 
 
 def start_mice(eps, flows: int) -> subprocess.Popen:
@@ -201,6 +256,7 @@ def run(lab, eps, trials: int) -> Result:
     mice_rx = traffic.Receiver(prefix, MICE_PORT, count=flows * PER_FLOW, idle_ms=5000,
                                duration=duration + 60)  # fmt: skip
     mice = start_mice(eps, flows)
+    timeline = Timeline(service, result).__enter__()
     try:
         time.sleep(WARMUP_S)
         # Every elephant's datagrams: it ends as soon as all came (a loss-free run).
@@ -209,14 +265,20 @@ def run(lab, eps, trials: int) -> Result:
         with Dumpers(service, result):
             for i in range(trials):
                 result.load.append(os.getloadavg()[0])
-                latency, sent = elephant(service, eps, 30000 + i)
-                result.latencies_ms.append(latency)
+                latency, sent = elephant(service, eps, 30000 + i, result)
+                print(f"elephant {i}: {latency} ms, {sent} sent", flush=True)
+                if latency is not None:
+                    result.latencies_ms.append(latency)
+                else:
+                    result.never_offloaded += 1
                 elephant_sent[30000 + i] = sent
                 operator_dump(service, result, {(30000 + i, ELEPHANT_PORT)})
         out, err = mice.communicate(timeout=duration + 60)
     finally:
+        timeline.__exit__()
         if mice.poll() is None:
             mice.kill()
+        result.log_tail = service.log_tail(40)
     generated = json.loads(out or b"{}") if mice.returncode == 0 else {"error": err.decode()}
     got = int(mice_rx.result()["received_packets"])
     big_got = int(big_rx.result()["received_packets"])
@@ -301,7 +363,20 @@ def render(result: Result, trials: int) -> str:
             f"| elephants counted exactly / wrong | {result.elephants_exact} / "
             f"{len(result.elephants_bad)} |",
             "",
+            f"| elephants never offloaded within 10 s / never seen within "
+            f"{FLOW_SETUP_TIMEOUT_S:.0f} s | {result.never_offloaded} / "
+            f"{sum(1 for s in result.setup_s if s is None)} |",
+            f"| elephant's first packet -> flow in the status file, s (median / max) | "
+            f"{_spread([s for s in result.setup_s if s is not None])} |",
+            "",
             "Latencies: " + ", ".join(f"{v:.0f}" for v in result.latencies_ms) + " ms.",
+            "",
+            "Timeline (s since the generator started, flows in the status file, its age s, "
+            "the service's CPU seconds in that second, load average):",
+            "",
+            "```",
+            *(" ".join(str(v) for v in row) for row in result.timeline[::3]),
+            "```",
             "",
         ]
     )
@@ -330,7 +405,8 @@ def main() -> None:
     text = render(result, args.trials)
     Path(args.out).write_text(text)
     print(text)
-    print(json.dumps(dataclasses.asdict(result))[:4000])
+    print(result.log_tail)
+    print(json.dumps({k: v for k, v in dataclasses.asdict(result).items() if k != "log_tail"}))
 
 
 if __name__ == "__main__":
