@@ -28,7 +28,7 @@ from os_ken.controller.handler import CONFIG_DISPATCHER, MAIN_DISPATCHER, set_ev
 from os_ken.lib import hub
 from os_ken.ofproto import ofproto_v1_3
 
-from ovs_ext import flows, neutron, openflow, restore
+from ovs_ext import flows, neutron, openflow, restore, stats_reader
 from ovs_ext.control import OffloadControl
 from ovs_ext.providers.base import FlowCounters, FlowMatch, OffloadError
 
@@ -54,6 +54,9 @@ class Runtime:
     app: OffloadApp | None = None
     # Beside Neutron's agent (ovs_ext/neutron.py); None: the app owns the bridge.
     pipeline: neutron.NeutronPipeline | None = None
+    # Polls read through a connection of their own ([offload] stats_socket);
+    # None: through os-ken's (stats_reader.py says why that is slow).
+    stats_reader: stats_reader.FlowStatsReader | None = None
 
 
 class OffloadApp(app_manager.OSKenApp):
@@ -309,6 +312,9 @@ class OffloadApp(app_manager.OSKenApp):
         dp = self.datapath
         if dp is None or not self.judging:
             return  # the reply would be taken for the read-back's
+        if self.rt.stats_reader is not None:
+            self._read_stats(dp, self.rt.stats_reader)
+            return
         sent = self._stats_sent_at
         patience = STATS_REPLY_PATIENCE * self.rt.poll_interval
         if sent is not None and time.monotonic() - sent < patience:
@@ -342,6 +348,29 @@ class OffloadApp(app_manager.OSKenApp):
         rule_stats, self._stats_parts = self._stats_parts, {}
         learned_stats, self._learned_parts = self._learned_parts, {}
         self._stats_sent_at = None
+        self._apply_poll(msg.datapath, rule_stats, learned_stats)
+
+    def _read_stats(self, dp: Any, reader: stats_reader.FlowStatsReader) -> None:
+        """One poll through the reader's own connection, in the poller's thread."""
+        try:
+            found = reader.read(flows.COOKIE_PREFIX << 48, flows.COOKIE_MASK, _wants_match)
+        except stats_reader.StatsReadError as exc:
+            LOG.warning("statistics poll: %s", exc)
+            return
+        self._stats_parts, self._learned_parts, self._handoffs_seen = {}, {}, set()
+        for stat in found:
+            self._collect(stat)
+        rule_stats, self._stats_parts = self._stats_parts, {}
+        learned_stats, self._learned_parts = self._learned_parts, {}
+        if dp is self.datapath:  # not reconnected meanwhile
+            self._apply_poll(dp, rule_stats, learned_stats)
+
+    def _apply_poll(
+        self,
+        dp: Any,
+        rule_stats: dict[int, FlowCounters],
+        learned_stats: dict[FlowMatch, FlowCounters],
+    ) -> None:
         self._restore_handoffs()
         with self.rt.lock:
             control = self.rt.control
@@ -356,7 +385,6 @@ class OffloadApp(app_manager.OSKenApp):
             every = 1 if len(control.flows) <= STATUS_EVERY_POLL_UP_TO else 10
             if self.rt.status_file and self._polls % every == 0:
                 _write_json(self.rt.status_file, control.status())
-        dp = msg.datapath
         for flow in report.expired:
             exact = openflow.delete_owned(dp.ofproto_parser, dp.ofproto, flow.cookie, 2**64 - 1)
             self.send(exact)
@@ -452,6 +480,11 @@ class OffloadApp(app_manager.OSKenApp):
                 then()
             return
         self._barrier_done.set()
+
+
+def _wants_match(_table: int, cookie: int) -> bool:
+    """A counting rule is known by its match; every other rule by its cookie."""
+    return flows.is_counting_cookie(cookie)
 
 
 def _name(raw: bytes | str) -> str:

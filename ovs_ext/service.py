@@ -29,7 +29,7 @@ from stevedore import driver
 
 from agents.agent import auth
 from flexmig import exceptions
-from ovs_ext import config, control_api, neutron, policy, restore
+from ovs_ext import config, control_api, neutron, policy, restore, stats_reader
 from ovs_ext.app import Runtime, write_status
 from ovs_ext.control import OffloadControl
 from ovs_ext.dispatcher import Dispatchers
@@ -44,6 +44,7 @@ CONTROLLER_WAIT = 30.0
 # Beside Neutron: how often the app checks its controller is still in the list.
 CONTROLLER_CHECK_EVERY = 5.0
 SHUTDOWN_TIMEOUT = 3.0
+STATS_READ_TIMEOUT = 5.0  # one poll through [offload] stats_socket
 
 
 class OffloadServiceError(exceptions.FlexMigError):
@@ -207,6 +208,10 @@ def prepare(argv: list[str]) -> tuple[cfg.ConfigOpts, Runtime]:
     runtime = Runtime(control, opts.bridge, opts.poll_interval, opts.status_file)
     runtime.datapath_id = datapath_id
     runtime.pipeline = pipeline
+    if opts.stats_socket:
+        runtime.stats_reader = stats_reader.FlowStatsReader(
+            opts.stats_socket, timeout=STATS_READ_TIMEOUT
+        )
     return conf, runtime
 
 
