@@ -383,8 +383,9 @@ class OffloadApp(app_manager.OSKenApp):
             self._polls += 1
             # Every poll while small; a big table is rewritten less often.
             every = 1 if len(control.flows) <= STATUS_EVERY_POLL_UP_TO else 10
-            if self.rt.status_file and self._polls % every == 0:
-                _write_json(self.rt.status_file, control.status())
+            status = control.status() if self.rt.status_file and self._polls % every == 0 else None
+        if status is not None:  # encoded and written without the lock packet-ins wait for
+            _write_json(self.rt.status_file, status)
         for flow in report.expired:
             exact = openflow.delete_owned(dp.ofproto_parser, dp.ofproto, flow.cookie, 2**64 - 1)
             self.send(exact)
