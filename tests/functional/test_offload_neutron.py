@@ -335,7 +335,9 @@ def test_a_neutron_flow_counts_on_exactly_after_the_service_crashes(nlab):
     patient = POLICY.replace("promote_pps: 2000", "promote_pps: 100000000")  # stays onloaded
     service.reload(patient)
     sport, dport, before, after = 42006, 7003, 300, 200
-    receiver = receive(eps, dport, before + after)
+    # Waits through the restart's silence (receive()'s 1.5 s idle limit would not).
+    receiver = traffic.Receiver(endpoints.exec_prefix(eps["r1"]), dport, count=before + after,
+                                duration=60, idle_ms=30_000)  # fmt: skip
     send(eps, "s2", sport, dport, before, rate=1000)
     counted_before = stable_packets(service, sport, dport)
     assert 0 < counted_before <= before
