@@ -7,8 +7,10 @@ renders docs/benchmarks/offload-load.md).  Held to: about 10,000 flows
 active, an operator's ``ovs-ofctl dump-flows`` answered within its timeout with
 the flows it must show, no other client's dump failed, every flow's counter
 <= sent and == sent on a loss-free run, and every elephant offloaded within
-the promotion latency target (200 ms, docs/benchmarks/offload-control.md),
-which is not met yet under this load (a strict xfail: it fails once met).
+the promotion latency target (200 ms, docs/benchmarks/offload-control.md).
+None of the three is met on the 2-core development machine (measured in
+docs/benchmarks/offload-load.md): each is a strict xfail naming why, so it
+fails the run the day it is met and its mark must go.
 """
 
 from __future__ import annotations
@@ -51,6 +53,12 @@ def loaded(lab, eps):
     return result
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="not met (docs/benchmarks/offload-load.md): on 2 cores the app tracked at most "
+    "~5.5k of the ~10k flows (packet-ins not judged in time, flows idled out first) and "
+    "mice were lost in OVS's slow path",
+)
 def test_10k_flows_are_active_and_every_counter_exact_under_load(loaded):
     # ~10,000 mice active (1,000/s x the 10 s idle timeout) whenever the operator looked.
     assert loaded.active_flows and min(loaded.active_flows) >= 9000, loaded.active_flows
@@ -59,6 +67,12 @@ def test_10k_flows_are_active_and_every_counter_exact_under_load(loaded):
     assert not loaded.elephants_bad, loaded.elephants_bad
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="not met (docs/benchmarks/offload-load.md): beside 20 dumping clients some "
+    "ovs-ofctl handshakes fail ('failed to open socket (Protocol error)'): 2 of 6 operator "
+    "dumps and 308 of 4,453 others, the endpoint serving one request at a time",
+)
 def test_ovs_ofctl_is_answered_while_20_other_clients_dump_the_table(loaded):
     assert len(loaded.operator_s) == TRIALS, loaded.operator_failures[:3]
     assert not loaded.operator_failures, loaded.operator_failures[:3]
@@ -68,9 +82,9 @@ def test_ovs_ofctl_is_answered_while_20_other_clients_dump_the_table(loaded):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="not met (docs/benchmarks/offload-load.md): each statistics poll of 10k flows "
-    "(20k rules with their counting rules) costs os-ken ~1.2 s of parsing in the thread "
-    "that also takes packet-ins, so detection takes seconds, not the 200 ms target",
+    reason="not met (docs/benchmarks/offload-load.md): 3 of 6 elephants were not offloaded "
+    "within 10 s (their flows not tracked in time); a statistics poll of 10k flows costs "
+    "os-ken 1.1-2.0 s of parsing in the thread that also takes packet-ins",
 )
 def test_every_elephant_is_offloaded_within_the_target_under_load(loaded):
     assert loaded.never_offloaded == 0 and len(loaded.latencies_ms) == TRIALS
