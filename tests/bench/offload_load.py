@@ -101,6 +101,18 @@ def shown(service: offload.LabOffload, timeout: float = 60.0) -> dict[tuple[int,
     return found
 
 
+def final_dump(service: offload.LabOffload, attempts: int = 3) -> dict[tuple[int, int], int]:
+    """The table once the load is over (an ovs-ofctl handshake may still fail: retried)."""
+    for attempt in range(attempts):
+        try:
+            return shown(service)
+        except exceptions.CommandFailed:
+            if attempt == attempts - 1:
+                raise
+            time.sleep(1.0)
+    return {}
+
+
 def flow_of(service: offload.LabOffload, sport: int, dport: int) -> dict | None:
     try:
         flows = service.status()["flows"]
@@ -287,7 +299,7 @@ def run(lab, eps, trials: int, stats_socket: str = "", index: int = 0) -> Result
     got = int(mice_rx.result()["received_packets"])
     big_got = int(big_rx.result()["received_packets"])
     time.sleep(1.5)  # the revalidator's push and a poll
-    table = shown(service)
+    table = final_dump(service)
     check_mice(result, table, generated, got, mice_port)
     check_elephants(result, table, elephant_sent, big_got)
     service.start()  # the lab's standing configuration for whatever runs next
