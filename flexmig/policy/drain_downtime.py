@@ -110,3 +110,16 @@ def busy(initial_rates: list[float]) -> int:
     2
     """
     return sum(1 for rate in initial_rates if rate > BUSY_PAGES_PER_S)
+
+
+def host_load(initial_rates: list[float], cpus: int, floor_ms: float) -> HostLoad | None:
+    """The contention a drain plans with: ``cpus`` shared (0: not modelled, None).
+
+    >>> host_load([0.0, 30000.0], 2, 250.0)
+    HostLoad(cpus=2, busy_guests=1, floor_ms=250.0)
+    >>> host_load([30000.0], 0, 0.0) is None
+    True
+    """
+    if cpus <= 0:
+        return None
+    return HostLoad(cpus, busy(initial_rates), floor_ms)

@@ -3,6 +3,9 @@
 
 import itertools
 
+import pytest
+
+from flexmig import cli
 from flexmig.migration.downtime import Forecast
 from flexmig.migration.options import EngineOptions
 from flexmig.policy import drain, drain_downtime
@@ -127,3 +130,14 @@ def test_the_gap_stretches_only_the_cpu_parts():
     assert drain_downtime.guest_gap_ms(f, load, 1) == 300 + 2 * 100  # stretch 2
     assert drain_downtime.guest_gap_ms(f, load, 3) == 300 + 4 * 100  # stretch 4
     assert drain_downtime.guest_gap_ms(f, None, 3) == 400
+
+
+def test_the_cli_takes_the_contention_and_refuses_bad_values(capsys):
+    args = cli.build_parser().parse_args(
+        ["drain", "A", "--host-cpus", "2", "--gap-floor-ms", "250"]
+    )
+    assert (args.host_cpus, args.gap_floor_ms) == (2, 250)
+    for bad in (["--host-cpus", "-1"], ["--gap-floor-ms", "70000"]):
+        with pytest.raises(SystemExit):
+            cli.build_parser().parse_args(["drain", "A", *bad])
+        assert "not in" in capsys.readouterr().err
