@@ -82,6 +82,9 @@ budget whatever the plan'
     >>> miss_reason(f, HostLoad(2, 6), 1, 300)
     'predicted 340 ms even alone (device state and resume stretched 4.0x: 6 busy guests and \
 2 migration threads on 2 CPUs), over its 300 ms budget'
+    >>> miss_reason(f, HostLoad(2, 6), 2, 300)
+    'predicted 425 ms at 2 at once (device state and resume stretched 5.0x: 6 busy guests and \
+4 migration threads on 2 CPUs), ~340 ms alone, over its 300 ms budget'
     >>> miss_reason(f, HostLoad(2, 2), 1, 300) is None
     True
     """
@@ -95,11 +98,12 @@ budget whatever the plan'
         )
     if load is None:
         return f"predicted {gap:.0f} ms, over its {budget_ms} ms budget"
+    alone = "" if streams == 1 else f", ~{guest_gap_ms(forecast, load, 1):.0f} ms alone"
     return (
         f"predicted {gap:.0f} ms {'even alone' if streams == 1 else f'at {streams} at once'} "
         f"(device state and resume stretched {load.stretch(streams):.1f}x: {load.busy_guests} "
         f"busy guests and {THREADS_PER_STREAM * streams} migration threads on {load.cpus} "
-        f"CPUs), over its {budget_ms} ms budget"
+        f"CPUs){alone}, over its {budget_ms} ms budget"
     )
 
 
