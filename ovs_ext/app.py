@@ -492,11 +492,20 @@ def _name(raw: bytes | str) -> str:
     return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
 
 
+# The poller writes the status file outside the control lock, the control
+# interface (a migration's steps) too: one writer at a time, or one's rename
+# takes the other's temporary file away (FileNotFoundError in a migration's
+# finish, found by the fault campaign).
+_WRITE_LOCK = threading.Lock()
+
+
 def _write_json(path: str, data: object) -> None:
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(target)
+    text = json.dumps(data, indent=1)
+    with _WRITE_LOCK:
+        tmp = target.with_name(f".{target.name}.{os.getpid()}")
+        tmp.write_text(text)
+        tmp.replace(target)
 
 
 def write_status(path: str, data: object) -> None:
