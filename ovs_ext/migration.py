@@ -151,6 +151,9 @@ class FlowMigration:
     was_offloaded: set[FlowMatch] = dataclasses.field(default_factory=set)
     reason: str = ""
     events: dict[str, float] = dataclasses.field(default_factory=dict)  # step -> wall time
+    # Ports whose flows were re-keyed here (old -> new): records from the peer
+    # that still name the old port (the source's final counters) follow them.
+    renamed: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def reoffloaded(self) -> dict[str, float]:
         """Flows offloaded again since the migration began here, and when."""
@@ -324,6 +327,9 @@ class FlowMigrations:
             )
         moving = [m for m, f in mig.flows.items() if old_port in (m.in_port, f.owner)]
         records = [transfer_of(mig.flows[m], m in mig.was_offloaded) for m in moving]
+        # Where each flow leaves the bridge, as this host learned it (the new
+        # port where it was the old one): a re-offload need not wait for a packet.
+        exits = [_renamed(mig.flows[m].out_port, old_port, new_port) for m in moving]
         gone = []
         for match in moving:
             flow = mig.flows.pop(match)
@@ -332,9 +338,14 @@ class FlowMigrations:
                 self.control.forget(match)
                 gone.append(flow)
         mig.ports = tuple(sorted({*mig.ports, new_port}))
+        mig.renamed = {k: _renamed(v, old_port, new_port) or v for k, v in mig.renamed.items()}
+        mig.renamed[old_port] = new_port
+        mig.renamed.pop(new_port, None)  # keyed back where it was
         held = flow_held(mig)
-        for record in rekey_records(records, old_port, new_port):
-            mig.flows[record.match] = self._adopt(record, held, add=True)
+        for record, out_port in zip(rekey_records(records, old_port, new_port), exits, strict=True):
+            flow = self._adopt(record, held, add=True)
+            flow.out_port = flow.out_port or out_port
+            mig.flows[record.match] = flow
             if record.was_offloaded:
                 mig.was_offloaded.add(record.match)
         return gone
@@ -381,6 +392,8 @@ class FlowMigrations:
     def settle(self, migration_id: str, final: list[FlowTransfer]) -> FlowMigration:
         """The source's final counters replace what arrived with the records."""
         mig = self.get(migration_id, Role.DESTINATION)
+        for old, new in mig.renamed.items():
+            final = rekey_records(final, old, new)
         for record in final:
             flow = mig.flows.get(record.match)
             if flow is not None and self.control.flows.get(record.match) is flow:
@@ -402,6 +415,10 @@ class FlowMigrations:
 
     def status(self) -> list[dict[str, Any]]:
         return [mig.as_dict() for mig in self.by_id.values()]
+
+
+def _renamed(port: str | None, old: str, new: str) -> str | None:
+    return new if port == old else port
 
 
 def flow_held(mig: FlowMigration) -> str:

@@ -57,15 +57,19 @@ Event = Callable[[str], None]
 
 
 def vm_ports(domain_xml: str) -> list[str]:
-    """The VM's ports on the bridge: its interfaces' target devices.
+    """The VM's ports on the bridge: its interfaces' target devices (a VF's
+    flows are its representor's: see ``failover_pairs``).
 
     >>> vm_ports("<domain><devices><interface type='bridge'><target dev='tap3'/>"
-    ...          "</interface><interface type='hostdev'/></devices></domain>")
+    ...          "</interface><interface type='hostdev'><target dev='vf0'/></interface>"
+    ...          "</devices></domain>")
     ['tap3']
     """
     root = ET.fromstring(domain_xml)
     ports = []
     for iface in root.findall("./devices/interface"):
+        if iface.get("type") == "hostdev":
+            continue
         target = iface.find("target")
         if target is not None and target.get("dev"):
             ports.append(target.get("dev"))
