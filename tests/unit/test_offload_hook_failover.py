@@ -271,3 +271,26 @@ def test_bad_failover_pairs_are_refused_before_anything_arrives(hosts, entry):
     with pytest.raises(exceptions.InvalidInput):
         dst.hook.arrive("m-7", "vm1", ["tap4"], "hostA", [], failover=[entry])
     assert dst.steps == [] and dst.hook.arrivals == {}
+
+
+@pytest.mark.parametrize(
+    "nova_vfs", [{"52:54:00:aa:bb": DST_VF}, {MAC: "5e:00.3"}, {MAC: 3}]
+)  # fmt: skip
+def test_the_agent_refuses_a_bad_nova_vf_map_before_demoting_anything(nova_vfs):
+    from agents.agent.service import Agent as AgentService
+
+    class Agent:
+        class offload:  # stands in for the hook
+            departed = []
+
+            @classmethod
+            def depart(cls, *args, **kwargs):
+                cls.departed.append(args)
+
+        def _offload_peer(self, body):
+            return "peer"
+
+    body = {"migration_id": "m", "vm": "vm1", "dest": {}, "nova_vfs": nova_vfs}
+    with pytest.raises(exceptions.InvalidInput):
+        AgentService.offload_depart(Agent(), body, None)
+    assert Agent.offload.departed == []
