@@ -143,6 +143,8 @@ def _drain_through_nova(args: argparse.Namespace) -> int:
         raise_limit=args.raise_nova_limit,
         dry_run=args.dry_run,
         link_mib=args.link_mib,
+        cpus=args.host_cpus,
+        floor_ms=args.gap_floor_ms,
     )
     if report is None:
         return 0

@@ -59,22 +59,12 @@ def prepare(
         inputs.fabric,
         max_concurrency,
         inputs.options,
-        host_load(inputs, cpus, floor_ms),
+        drain_downtime.host_load([v.dirty.initial_rate() for v in inputs.vms], cpus, floor_ms),
     )
     if inputs.unreadable:
         plan = dataclasses.replace(plan, unplaceable={**plan.unplaceable, **inputs.unreadable})
     backend = drain_agents.AgentBackend(hosts[src], dests)
     return plan, inputs, backend
-
-
-def host_load(
-    inputs: drain_agents.Inputs, cpus: int, floor_ms: float
-) -> drain_downtime.HostLoad | None:
-    """The CPU contention of the drain from the VMs' own dirty models (None: not modelled)."""
-    if cpus <= 0:
-        return None
-    rates = [vm.dirty.initial_rate() for vm in inputs.vms]
-    return drain_downtime.HostLoad(cpus, drain_downtime.busy(rates), floor_ms)
 
 
 def execute(

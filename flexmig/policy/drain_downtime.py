@@ -82,6 +82,9 @@ budget whatever the plan'
     >>> miss_reason(f, HostLoad(2, 6), 1, 300)
     'predicted 340 ms even alone (device state and resume stretched 4.0x: 6 busy guests and \
 2 migration threads on 2 CPUs), over its 300 ms budget'
+    >>> miss_reason(f, HostLoad(2, 6), 2, 300)
+    'predicted 425 ms at 2 at once (device state and resume stretched 5.0x: 6 busy guests and \
+4 migration threads on 2 CPUs), ~340 ms alone, over its 300 ms budget'
     >>> miss_reason(f, HostLoad(2, 2), 1, 300) is None
     True
     """
@@ -95,11 +98,12 @@ budget whatever the plan'
         )
     if load is None:
         return f"predicted {gap:.0f} ms, over its {budget_ms} ms budget"
+    alone = "" if streams == 1 else f", ~{guest_gap_ms(forecast, load, 1):.0f} ms alone"
     return (
         f"predicted {gap:.0f} ms {'even alone' if streams == 1 else f'at {streams} at once'} "
         f"(device state and resume stretched {load.stretch(streams):.1f}x: {load.busy_guests} "
         f"busy guests and {THREADS_PER_STREAM * streams} migration threads on {load.cpus} "
-        f"CPUs), over its {budget_ms} ms budget"
+        f"CPUs){alone}, over its {budget_ms} ms budget"
     )
 
 
@@ -110,3 +114,16 @@ def busy(initial_rates: list[float]) -> int:
     2
     """
     return sum(1 for rate in initial_rates if rate > BUSY_PAGES_PER_S)
+
+
+def host_load(initial_rates: list[float], cpus: int, floor_ms: float) -> HostLoad | None:
+    """The contention a drain plans with: ``cpus`` shared (0: not modelled, None).
+
+    >>> host_load([0.0, 30000.0], 2, 250.0)
+    HostLoad(cpus=2, busy_guests=1, floor_ms=250.0)
+    >>> host_load([30000.0], 0, 0.0) is None
+    True
+    """
+    if cpus <= 0:
+        return None
+    return HostLoad(cpus, busy(initial_rates), floor_ms)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-DRAINS = ("nova-serial", "fixed-2", "fixed-4", "flexmig")
+DRAINS = ("nova-serial", "fixed-2", "fixed-4", "flexmig", "flexmig-1")
 
 
 def ratios(results: dict[str, Any]) -> dict[str, str]:
@@ -85,24 +85,25 @@ def summary_rows(results: dict[str, Any], guests: int) -> list[str]:
 
 
 def per_vm_rows(results: dict[str, Any], names: list[str]) -> list[str]:
-    """Per VM: the machine's own gap (noise), FlexMig's budget, forecast and gaps, Nova's gaps.
+    """Per VM: the machine's own gap (noise), FlexMig's budget, each strategy's gaps
+    (FlexMig's with its plan's forecast, CPU contention included).
 
     >>> r = {"noise": {"downtime_ms": {"a": (380.0, 0.0)}},
     ...      "flexmig": {"downtime_ms": {"a": (450.0, 120.0)}, "budgets": {"a": 300},
     ...                  "forecast_ms": {"a": 400.0}}}
     >>> per_vm_rows(r, ["a"])
-    ['| a | 380 | 300 | 400 | 450 / 120 | - | - | - |']
+    ['| a | 380 | 300 | 450 / 120 (fc 400) | - | - | - | - |']
     """
     rows = []
     for name in names:
         cells = [name]
         cells.append(_ms(results.get("noise", {}).get("downtime_ms", {}).get(name, (None,))[0]))
-        fm = results.get("flexmig", {})
-        cells.append(str(fm.get("budgets", {}).get(name, "-")))
-        cells.append(_ms(fm.get("forecast_ms", {}).get(name)))
-        for s in ("flexmig", "nova-serial", "fixed-2", "fixed-4"):
+        cells.append(str(results.get("flexmig", {}).get("budgets", {}).get(name, "-")))
+        for s in ("flexmig", "flexmig-1", "nova-serial", "fixed-2", "fixed-4"):
             gap = results.get(s, {}).get("downtime_ms", {}).get(name)
-            cells.append(f"{gap[0]:.0f} / {gap[1]:.0f}" if gap else "-")
+            forecast = results.get(s, {}).get("forecast_ms", {}).get(name)
+            cell = f"{gap[0]:.0f} / {gap[1]:.0f}" if gap else "-"
+            cells.append(cell + (f" (fc {forecast:.0f})" if gap and forecast else ""))
         rows.append("| " + " | ".join(cells) + " |")
     return rows
 
@@ -131,9 +132,10 @@ def render(results: dict[str, Any], names: list[str], header: list[str]) -> str:
         "longest gap across its change of host (its switchover). noise: the same guests on A "
         "with no migration for the noise window, the machine's own gaps. Budget: FlexMig's "
         "plan budget (the agents' [migration] max_downtime_ms); Nova's ways aim at their "
-        "live_migration_downtime, 500 ms. forecast: FlexMig's plan, CPU contention included.",
+        "live_migration_downtime, 500 ms. fc: FlexMig's plan's forecast, CPU contention "
+        "included.",
         "",
-        "| VM | noise | budget | forecast | flexmig | nova-serial | fixed-2 | fixed-4 |",
+        "| VM | noise | budget | flexmig | flexmig-1 | nova-serial | fixed-2 | fixed-4 |",
         "|---|---|---|---|---|---|---|---|",
         *per_vm_rows(results, names),
         "",
