@@ -18,6 +18,7 @@ from oslo_log import log
 from oslo_privsep import daemon as privsep_daemon
 
 from agents.agent import (
+    admission,
     api,
     auth,
     config,
@@ -73,6 +74,13 @@ class Agent:
         self.flushers: dict[str, ChunkFlusher] = {}
         self.keepers: dict[str, ResidencyKeeper] = {}
         self._store_probe = (0.0, 0.0)
+        # Plans and inventories share one gate: both sample dirty rates for seconds.
+        self.gate = admission.Gate(
+            "plan or inventory",
+            admission.Bounds(conf.agent.expensive_workers, conf.agent.expensive_queued),
+            # A queued request must still be answered before its client's own timeout.
+            wait_limit_s=conf.agent.socket_timeout,
+        )
         self.router = api.Router()
         r = self.router
         r.add("GET", "/v1/health", lambda b, m: (200, {"ok": True, "host": self.host}))
@@ -83,7 +91,7 @@ class Agent:
         r.add("GET", r"/v1/split/(?P<vm>[^/]+)", self.split_status)
         r.add("POST", "/v1/incoming/writeback", self.incoming_writeback)
         # Read-only: Nova's drain (nova_driver.drain) asks it too.
-        r.add("POST", "/v1/inventory", self.inventory)
+        r.add("POST", "/v1/inventory", self.expensive(self.inventory))
         # Movers: the agents' own migrations and Nova's driver (which drives
         # libvirt itself and asks both agents for movers by migration id) use
         # them, so they stay open when orchestration is off.
@@ -103,10 +111,17 @@ class Agent:
         r.add("POST", "/v1/offload/restore", self.offload_restore)
         # Routes that plan or move VMs on the agents' own initiative.
         orchestrate = self._orchestration
-        r.add("POST", "/v1/plan", orchestrate(self.plan))
+        r.add("POST", "/v1/plan", orchestrate(self.expensive(self.plan)))
         r.add("POST", "/v1/migrations", orchestrate(self.migrate))
         r.add("GET", r"/v1/migrations/(?P<id>[0-9a-f]+)", orchestrate(self.migration_status))
         r.add("GET", "/v1/migrations", orchestrate(self.list_migrations))
+
+    def expensive(self, handler: api.Handler) -> api.Handler:
+        def gated(body: dict[str, Any], m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+            with self.gate.slot():
+                return handler(body, m)
+
+        return gated
 
     def _orchestration(self, handler: api.Handler) -> api.Handler:
         if self.conf.agent.allow_orchestration:
@@ -472,6 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         # oslo.privsep reads its [privsep_agent] group from the global object.
         cfg.CONF(args, project="flexmig", prog="flexmig-agent", default_config_files=[])
         config.check_tls(conf)
+        config.check_workers(conf)
         agent = Agent(conf)
         privileged.start()
         servers = api.make_servers(
