@@ -171,7 +171,16 @@ def _ovo_security_groups(state: dict[str, Any]) -> tuple[list[Any], list[Any]]:
 
 
 def _matches(obj: Any, filters: dict[str, Any] | None) -> bool:
-    """neutron-server's bulk_pull filters: OR within a key, AND across keys."""
+    """neutron-server's bulk_pull filters: OR within a key, AND across keys.
+
+    >>> class Port:
+    ...     id, security_group_ids = "p1", {"sg1", "sg2"}
+    ...     def obj_attr_is_set(self, name): return hasattr(self, name)
+    >>> _matches(Port(), {"id": ("p1", "p2"), "security_group_ids": ("sg2",)})
+    True
+    >>> _matches(Port(), {"id": ("p3",)}), _matches(Port(), {"mtu": (1500,)})
+    (False, False)
+    """
     for key, values in (filters or {}).items():
         if not obj.obj_attr_is_set(key):
             return False
