@@ -249,7 +249,23 @@ class FakeNeutronServer:
             ]  # fmt: skip
             if changed:
                 LOG.info("stub neutron-server: pushing %d changed port(s)", len(changed))
-                pusher.push(context.get_admin_context(), changed, events.UPDATED)
+                try:
+                    _push(pusher, context.get_admin_context(), changed, events.UPDATED)
+                except Exception:  # a stub's failure must show in the agent's log
+                    LOG.exception("stub neutron-server: push failed")
+
+
+def _push(pusher: Any, context: Any, ports: list[Any], event_type: str) -> None:
+    """ResourcesPushRpcApi's fan-out cast, at the agent's own object version.
+
+    neutron-server asks its version manager which versions the agents it
+    knows consume (the core plugin's agents table); this stub has one agent,
+    in this process, so the version is the local one.
+    """
+    version = ports[0].VERSION
+    cctxt = pusher._prepare_object_fanout_context(ports[0], version, rpc_version="1.1")
+    primitives = [p.obj_to_primitive(target_version=version) for p in ports]
+    cctxt.cast(context, "push", event_type=event_type, resource_list=primitives)
 
 
 class PluginEndpoint:
