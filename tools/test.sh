@@ -24,7 +24,9 @@ echo "== tests"
 # tearing the lab down, so a failed run can still be diagnosed.
 export FLEXMIG_LAB_KEEP_LOGS="${FLEXMIG_LAB_KEEP_LOGS:-$ROOT/.cache/lab-logs}"
 if [ $# -gt 0 ]; then
-  exec $TOX -q -e functional -x "testenv:functional.commands=pytest {posargs}" -- "$@"
+  # One pytest with these arguments in the functional environment (tox's
+  # overrides take no {posargs}: the arguments go in quoted).
+  exec $TOX -q -e functional -x "testenv:functional.commands=pytest $(printf '%q ' "$@")"
 fi
 # tox -e functional runs two pytest processes, the second even when the first
 # failed: everything but Nova's functional harness (unit tests, fuzzing,
