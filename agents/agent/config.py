@@ -106,6 +106,20 @@ agent_opts = [
         "the destination and re-offloaded there through it. Empty, or no extension "
         "running: VMs migrate without it.",
     ),
+    cfg.ListOpt(
+        "sriov_failover_vfs",
+        default=[],
+        item_type=cfg.types.String(
+            regex=r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$", max_length=12
+        ),
+        bounds=True,
+        help="PCI addresses (0000:3b:02.1, ...) of this host's switchdev VFs the "
+        "agent may hot-plug as the primary of an arriving VM's SR-IOV failover pair "
+        "(a VF with <teaming type='transient'>, a virtio standby with "
+        "<teaming type='persistent'>); the first one no domain has is used. Empty: "
+        "arriving pairs keep their standby (onloaded) until a VF is attached. Hosts "
+        "where Nova drives migration leave it empty: Nova attaches the VF it claimed.",
+    ),
     cfg.IntOpt(
         "memory_budget_mb",
         default=0,

@@ -28,6 +28,7 @@ from agents.agent import (
     movers,
     offload_hook,
     privileged,
+    sriov_failover,
 )
 from agents.agent.client import AgentClient
 from agents.agent.migrations import Destination, MigrationService
@@ -65,8 +66,9 @@ class Agent:
             conf.agent.state_dir, conf.agent.store_dir, conf.agent.cgroup_parent
         )
         self.offload = offload_hook.OffloadHook(
-            conf.agent.offload_control_socket, self.key, self.host, conf.agent.libvirt_uri
-        )
+            conf.agent.offload_control_socket, self.key, self.host, conf.agent.libvirt_uri,
+            failover_vfs=conf.agent.sriov_failover_vfs,
+        )  # fmt: skip
         self.migrations = MigrationService(
             self.host, conf, migration_options.read(conf), self.offload
         )
@@ -360,10 +362,11 @@ class Agent:
     # -- offloaded flows across a migration (offload_hook.py) ---------------------
     def offload_arrive(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         fields = {"migration_id": str, "vm": str, "ports": list, "peer": str, "flows": list}
-        api.check_fields(body, fields)
+        api.check_fields(body, fields, {"failover": list})
         note = self.offload.arrive(
-            body["migration_id"], body["vm"], body["ports"], body["peer"], body["flows"]
-        )
+            body["migration_id"], body["vm"], body["ports"], body["peer"], body["flows"],
+            failover=body.get("failover"),
+        )  # fmt: skip
         return 200, {"note": note}
 
     def offload_records(
@@ -388,11 +391,18 @@ class Agent:
         return self.peer(peer["address"], peer["port"])
 
     def offload_depart(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
-        api.check_fields(body, {"migration_id": str, "vm": str, "dest": dict})
+        api.check_fields(body, {"migration_id": str, "vm": str, "dest": dict}, {"nova_vfs": dict})
+        nova_vfs = body.get("nova_vfs")
+        if nova_vfs is not None:
+            for mac, vf in nova_vfs.items():
+                if not sriov_failover.MAC.match(mac) or not isinstance(vf, str):
+                    raise api.BadRequest(reason=f"nova_vfs: {mac!r} -> {vf!r}"[:200])
+                sriov_failover.check_pci(vf)
         events: list[str] = []
         handled = self.offload.depart(
-            body["migration_id"], body["vm"], self._offload_peer(body), events.append
-        )
+            body["migration_id"], body["vm"], self._offload_peer(body), events.append,
+            nova_vfs=nova_vfs,
+        )  # fmt: skip
         return 200, {"handled": handled, "events": events}
 
     def offload_finish(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:

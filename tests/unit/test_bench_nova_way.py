@@ -1,8 +1,11 @@
 """Nova's way as the drain benchmark emulates it (tests/bench/nova_way.py): its
 decisions poll by poll, and bounded waits when libvirt does not answer."""
 
+import contextlib
 import threading
 import time
+
+import libvirt
 
 from tests.bench import nova_way
 
@@ -104,3 +107,51 @@ def test_a_hanging_abort_blocks_neither_the_watch_nor_piles_up_calls():
     assert any("Timed out" in e for e in monitor.events)
     dom.release.set()
     assert not monitor.apply(dom, [("give-up", 0)], 200.0)
+
+
+class IncomingDomain:
+    def __init__(self, state):
+        self._state = state
+        self.destroyed = False
+
+    def state(self):
+        return [self._state, 0]
+
+    def destroy(self):
+        self.destroyed = True
+        return 0
+
+
+class FakeLab:
+    class Host:
+        name = "B"
+        local_uri = "qemu+unix:///fake"
+
+    def host(self, _name):
+        return self.Host()
+
+
+def end_incoming_with(monkeypatch, dom):
+    @contextlib.contextmanager
+    def connect(_uri, _host):
+        yield object()
+
+    monkeypatch.setattr(nova_way.hypervisor, "connect", connect)
+    monkeypatch.setattr(nova_way.hypervisor, "find_domain", lambda _conn, _name: dom)
+    monitor = nova_way._Monitor(
+        FakeLab(), "d-hot", "B", 0.125, nova_way.NOVA_DEFAULTS, nova_way.BOUNDS
+    )
+    monitor.apply(None, [("end-incoming", 0)], 131.0)
+    return monitor
+
+
+def test_ending_the_incoming_side_destroys_only_a_domain_still_incoming(monkeypatch):
+    incoming = IncomingDomain(libvirt.VIR_DOMAIN_PAUSED)
+    monitor = end_incoming_with(monkeypatch, incoming)
+    assert incoming.destroyed and monitor.watch.ended_incoming_s == 131.0
+    running = IncomingDomain(libvirt.VIR_DOMAIN_RUNNING)  # the guest already runs there
+    monitor = end_incoming_with(monkeypatch, running)
+    assert not running.destroyed
+    assert any("already runs it; left alone" in e for e in monitor.events)
+    monitor = end_incoming_with(monkeypatch, None)
+    assert any("no incoming domain" in e for e in monitor.events)
