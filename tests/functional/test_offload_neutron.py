@@ -9,6 +9,8 @@ dispatch, anti-spoofing in table 71, conntrack and security-group rules in
 table 72, the drop table 93 and the NORMAL tables 60 and 94), under a cookie
 of "Neutron's", plus a controller target of "Neutron's" that nothing serves;
 the port facts file is written the way FlexMig's L2 agent extension writes it.
+(test_offload_neutron_agent.py runs Neutron's real agent instead; this table
+keeps an older layout of Neutron's, per-port dispatch in table 0, covered.)
 
 - s1: port security on; its security group allows egress ICMP and UDP to port
   5201 only;
