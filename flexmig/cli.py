@@ -95,7 +95,13 @@ def cmd_drain(args: argparse.Namespace) -> int:
 
     lab = load_inventory(args.inventory, args.config_file)
     plan, inputs, backend = drain_cli.prepare(
-        lab, args.host, args.max_concurrency, args.link_mib, args.max_downtime_ms
+        lab,
+        args.host,
+        args.max_concurrency,
+        args.link_mib,
+        args.max_downtime_ms,
+        args.host_cpus,
+        args.gap_floor_ms,
     )
     print(plan.explain())
     if args.dry_run:
@@ -137,6 +143,8 @@ def _drain_through_nova(args: argparse.Namespace) -> int:
         raise_limit=args.raise_nova_limit,
         dry_run=args.dry_run,
         link_mib=args.link_mib,
+        cpus=args.host_cpus,
+        floor_ms=args.gap_floor_ms,
     )
     if report is None:
         return 0
@@ -149,6 +157,16 @@ def _link_mib(text: str) -> int:
     if not 0 <= value <= 1_000_000:
         raise argparse.ArgumentTypeError(f"{value} MiB/s not in 0..1000000")
     return value
+
+
+def _bounded_int(low: int, high: int):
+    def parse(text: str) -> int:
+        value = int(text)
+        if not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{value} not in {low}..{high}")
+        return value
+
+    return parse
 
 
 def _concurrency(text: str) -> int:
@@ -176,6 +194,22 @@ def _add_drain_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[
         help="the source uplink's bandwidth in MiB/s (default: the agents' probe)",
     )
     p.add_argument("--max-downtime-ms", type=int, help="downtime budget (default: agent's)")
+    p.add_argument(
+        "--host-cpus",
+        type=_bounded_int(0, 4096),
+        default=0,
+        metavar="N",
+        help="cores the source's guests and the drain's migrations share, 0..4096; with it the "
+        "plan forecasts each guest's gap under CPU contention (default 0: not modelled)",
+    )
+    p.add_argument(
+        "--gap-floor-ms",
+        type=_bounded_int(0, 60_000),
+        default=0,
+        metavar="MS",
+        help="the longest gap the source's guests see with no migration, 0..60000 ms "
+        "(measured; default 0)",
+    )
     p.add_argument("--json", action="store_true", help="also print the outcome as JSON")
     nova = p.add_argument_group("through Nova (a real cloud instead of the lab)")
     nova.add_argument(

@@ -14,7 +14,7 @@ from typing import Any
 
 from flexmig import drain_agents, drain_run, exceptions
 from flexmig.migrate_cli import Inventory
-from flexmig.policy import drain
+from flexmig.policy import drain, drain_downtime
 
 
 def endpoints(lab: Inventory) -> dict[str, drain_agents.HostEndpoint]:
@@ -38,14 +38,28 @@ def prepare(
     max_concurrency: int = 4,
     link_mib: int = 0,
     max_downtime_ms: int | None = None,
+    cpus: int = 0,
+    floor_ms: float = 0.0,
 ) -> tuple[drain.DrainPlan, drain_agents.Inputs, drain_run.Backend]:
-    """Gather the facts and plan; nothing moves."""
+    """Gather the facts and plan; nothing moves.
+
+    ``cpus``: the cores the source's guests and the drain's migrations share
+    (0: not modelled, CPU to spare); ``floor_ms``: the longest gap its guests
+    see with no migration.  With them the plan keeps guests within their
+    downtime budgets where it can and names the ones it cannot.
+    """
     hosts = endpoints(lab)
     src, _ = lab.destination(source)
     dests = [h for name, h in hosts.items() if name != src]
     inputs = drain_agents.gather(hosts[src], dests, max_downtime_ms, link_mib)
     plan = drain.plan(
-        src, inputs.vms, inputs.candidates, inputs.fabric, max_concurrency, inputs.options
+        src,
+        inputs.vms,
+        inputs.candidates,
+        inputs.fabric,
+        max_concurrency,
+        inputs.options,
+        drain_downtime.host_load([v.dirty.initial_rate() for v in inputs.vms], cpus, floor_ms),
     )
     if inputs.unreadable:
         plan = dataclasses.replace(plan, unplaceable={**plan.unplaceable, **inputs.unreadable})

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 
 from flexmig import drain_agents, drain_run, exceptions
 from flexmig.migration.options import EngineOptions
-from flexmig.policy import drain
+from flexmig.policy import drain, drain_downtime
 from flexmig.policy.dirty_model import DirtyModel
 
 LOG = logging.getLogger(__name__)
@@ -240,15 +240,24 @@ def drain_host(
     on_event: Callable[[str], None] = print,
     link_mib: int = 0,
     started: Callable[[drain_run.DrainRun], None] | None = None,
+    cpus: int = 0,
+    floor_ms: float = 0.0,
 ) -> tuple[drain.DrainPlan, drain_run.DrainReport | None]:
-    """Plan the drain of ``source`` and, unless ``dry_run``, carry it out through Nova."""
+    """Plan the drain of ``source`` and, unless ``dry_run``, carry it out through Nova.
+
+    ``cpus``, ``floor_ms``: the source's cores and its guests' gaps with no
+    migration, for the plan's downtime forecasts (``flexmig drain --host-cpus``).
+    """
     gathered = gather(api, source, agent_for, link_mib=link_mib)
     limit, warning = concurrency_limit(nova_limit, max_concurrency, raise_limit)
     for text in gathered.warnings + ([warning] if warning else []):
         LOG.warning("drain %s: %s", source, text)
         on_event(f"WARNING: {text}")
     inputs = gathered.inputs
-    plan = drain.plan(source, inputs.vms, inputs.candidates, inputs.fabric, limit, inputs.options)
+    load = drain_downtime.host_load([v.dirty.initial_rate() for v in inputs.vms], cpus, floor_ms)
+    plan = drain.plan(
+        source, inputs.vms, inputs.candidates, inputs.fabric, limit, inputs.options, load
+    )
     if limit < max_concurrency:
         on_event(
             f"drain: at most {limit} at once (Nova's max_concurrent_live_migrations); "

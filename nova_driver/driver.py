@@ -411,7 +411,16 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
                 "migration_id": str(getattr(migration, "uuid", None) or instance.uuid),
                 "dest": planning.peer_endpoint(offer, facts),
             }
-            reply = self._local_agent().post("/v1/offload/depart", ends | {"vm": instance.name})
+            # SR-IOV ports: Nova swaps the VFs itself; the agents move their flows
+            # to the standby and on to the VF Nova claimed on the destination.
+            vifs = (
+                migrate_data.vifs
+                if getattr(migrate_data, "obj_attr_is_set", lambda _f: False)("vifs")
+                else None
+            )  # an unset field of a Nova object raises, it has no default
+            vfs = planning.destination_vfs(vifs)
+            body = ends | {"vm": instance.name} | ({"nova_vfs": vfs} if vfs else {})
+            reply = self._local_agent().post("/v1/offload/depart", body)
         except exceptions.FlexMigError as exc:
             LOG.warning("FlexMig: offloaded flows stay put: %s", exc, instance=instance)
             return

@@ -156,3 +156,32 @@ def scoped_credential(key: bytes, migration_id: str, vm: str, expires: float) ->
     """(scope, scoped key) for one VM's migration: what the destination hands the source."""
     scope = auth.scope_for(migration_id, vm, expires)
     return scope, auth.scoped_key(key, scope).decode()
+
+
+DIRECT_VNIC_TYPES = ("direct", "direct-physical", "macvtap", "remote-managed", "vdpa")
+
+
+def destination_vfs(vifs: Any) -> dict[str, str]:
+    """{MAC: destination VF} of the VM's SR-IOV ports, from Nova's migrate data.
+
+    Nova claims a VF on the destination for each direct port during
+    ``pre_live_migration`` (its binding profile's ``pci_slot``), detaches the
+    source's VF before the job and attaches the claimed one after it (or the
+    source's again on rollback); the offload hook only moves the flows, so it
+    needs to know which VF's representor they go to.
+
+    >>> class V:  # a VIFMigrateData as Nova fills it
+    ...     def __init__(self, mac, vnic, profile):
+    ...         self.source_vif, self.vnic_type, self.profile = {"address": mac}, vnic, profile
+    >>> destination_vfs([V("52:54:00:AA:BB:01", "direct", {"pci_slot": "0000:5e:00.3"}),
+    ...                  V("52:54:00:aa:bb:02", "normal", {})])
+    {'52:54:00:aa:bb:01': '0000:5e:00.3'}
+    """
+    found = {}
+    for vif in vifs or []:
+        source = getattr(vif, "source_vif", None) or {}
+        profile = getattr(vif, "profile", None) or {}
+        slot, mac = profile.get("pci_slot"), source.get("address")
+        if getattr(vif, "vnic_type", None) in DIRECT_VNIC_TYPES and slot and mac:
+            found[str(mac).lower()] = str(slot).lower()
+    return found

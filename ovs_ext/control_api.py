@@ -44,18 +44,40 @@ class ControlAPI:
         r.add("POST", f"/v1/migrations/{ID}/settle", self.settle)
         r.add("POST", f"/v1/migrations/{ID}/restore", self.restore)
         r.add("POST", f"/v1/migrations/{ID}/abandon", self.abandon)
+        r.add("POST", f"/v1/migrations/{ID}/rekey", self.rekey)
         r.add("GET", f"/v1/migrations/{ID}", self.show)
         r.add("POST", "/v1/flows", self.flows_of_ports)
 
     # -- source -------------------------------------------------------------------
     def depart(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
-        api.check_fields(body, {"migration_id": str, "ports": list, "peer": str})
+        """Demote and hold; ``rekey`` ({VF representor: standby}) then moves an SR-IOV
+        failover pair's flows to the standby, the records leave keyed by it."""
+        api.check_fields(body, {"migration_id": str, "ports": list, "peer": str}, {"rekey": dict})
         ports = _ports(body["ports"])
         _check_id(body["migration_id"])
+        pairs = _rekey_pairs(body.get("rekey", {}), ports)
+        gone: list[TrackedFlow] = []
         with self.rt.lock:
-            records = self.migrations.depart(body["migration_id"], ports, body["peer"][:100])
+            mid = body["migration_id"]
+            records = self.migrations.depart(mid, ports, body["peer"][:100])
+            for old, new in pairs:
+                gone += self.migrations.rekey(mid, old, new)
+            if pairs:
+                records = self.migrations.records(mid)
+        self._delete_rules(gone)
         self._write_status()
         return 200, {"flows": [r.to_wire() for r in records]}
+
+    def rekey(self, body: dict[str, Any], m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        """An SR-IOV failover pair's flows change NIC (either role; see migration.py)."""
+        api.check_fields(body, {"from": str, "to": str})
+        (old, new), *_ = _rekey_pairs({body["from"]: body["to"]}, [])
+        with self.rt.lock:
+            gone = self.migrations.rekey(m["id"], old, new)
+            shown = self.migrations.by_id[m["id"]].as_dict()
+        self._delete_rules(gone)
+        self._write_status()
+        return 200, {"rekeyed": len(gone), "migration": shown}
 
     def finish(self, body: dict[str, Any], m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         api.check_fields(body, {})
@@ -173,6 +195,19 @@ def _ports(value: list[Any]) -> list[str]:
     if not value or len(value) > 64 or not names_ok:
         raise api.BadRequest(reason="ports must be 1..64 interface names")
     return value
+
+
+def _rekey_pairs(value: dict[str, Any], ports: list[str]) -> list[tuple[str, str]]:
+    """(old, new) port pairs, both interface names; with ``ports`` given (depart),
+    each old port must be one of the VM's ports there."""
+    pairs = list(value.items())
+    if len(pairs) > 8 or not all(
+        isinstance(v, str) and PORT_RE.match(k) and PORT_RE.match(v) and k != v for k, v in pairs
+    ):
+        raise api.BadRequest(reason="rekey must map up to 8 interface names to other names")
+    if ports and not all(k in ports for k, _ in pairs):
+        raise api.BadRequest(reason="rekey names a port that is not the VM's")
+    return pairs
 
 
 def _check_id(value: str) -> None:

@@ -17,6 +17,10 @@ destination  ``settle``   the source's final counters replace the departure-time
 source       ``restore``  the migration failed: re-offload on the source, reason
                           kept for the status file.
 destination  ``abandon``  the migration failed: forget what arrived.
+either       ``rekey``    an SR-IOV failover pair's flows change NIC (the VF
+                          representor's become the virtio standby's while the
+                          VF is unplugged, and back to a representor once a VF
+                          is plugged again); totals carried.
 
 Counting once: the source's counters come across as ``carried`` and the source
 forgets the flow, so ``ovs-ofctl dump-flows`` shows each packet on one host.
@@ -102,6 +106,21 @@ class FlowTransfer:
             raise exceptions.InvalidInput(what="flow record", reason=str(exc)) from exc
 
 
+def rekey_records(records: list[FlowTransfer], old_port: str, new_port: str) -> list[FlowTransfer]:
+    """Records of flows entering by (or owned by) ``old_port``, now by ``new_port``.
+
+    Counters and history stay: the flow is the guest's, whichever NIC carries it.
+    """
+    out = []
+    for record in records:
+        match = record.match
+        if match.in_port == old_port:
+            match = dataclasses.replace(match, in_port=new_port)
+        owner = new_port if record.owner == old_port else record.owner
+        out.append(dataclasses.replace(record, match=match, owner=owner))
+    return out
+
+
 def _counters(value: Any) -> FlowCounters:
     if (
         not isinstance(value, list)
@@ -132,6 +151,9 @@ class FlowMigration:
     was_offloaded: set[FlowMatch] = dataclasses.field(default_factory=set)
     reason: str = ""
     events: dict[str, float] = dataclasses.field(default_factory=dict)  # step -> wall time
+    # Ports whose flows were re-keyed here (old -> new): records from the peer
+    # that still name the old port (the source's final counters) follow them.
+    renamed: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def reoffloaded(self) -> dict[str, float]:
         """Flows offloaded again since the migration began here, and when."""
@@ -212,6 +234,11 @@ class FlowMigrations:
         self._stamp(mig, "departing")
         return [transfer_of(f, f.match in mig.was_offloaded) for f in flows.values()]
 
+    def records(self, migration_id: str) -> list[FlowTransfer]:
+        """The records of a departing migration's flows as they are now."""
+        mig = self.get(migration_id, Role.SOURCE)
+        return [transfer_of(f, m in mig.was_offloaded) for m, f in mig.flows.items()]
+
     def _flows_moving_with(self, ports: tuple[str, ...]) -> list[TrackedFlow]:
         """The VM's own flows (entering by its ports) and those reaching it from an
         uplink: they look the same on the destination.  A flow from another port of
@@ -279,12 +306,53 @@ class FlowMigrations:
         return mig
 
     def _take(self, mig: FlowMigration, records: list[FlowTransfer]) -> None:
+        held = f"arriving from {mig.peer}: waiting for the VM to resume here"
         for record in records:
-            mig.flows[record.match] = self._adopt(record, mig.peer)
+            mig.flows[record.match] = self._adopt(record, held)
             if record.was_offloaded:
                 mig.was_offloaded.add(record.match)
 
-    def _adopt(self, record: FlowTransfer, peer: str) -> TrackedFlow:
+    def rekey(self, migration_id: str, old_port: str, new_port: str) -> list[TrackedFlow]:
+        """A failover pair's flows move from ``old_port`` to ``new_port`` (source:
+        VF representor -> standby before the job, or back when the migration
+        failed; destination: standby -> the plugged VF's representor before the
+        flows are re-offloaded).  The flows keyed by the old port are forgotten
+        (returned: the app deletes their rules) and taken under the new key with
+        their totals carried and their offload history kept."""
+        mig = self.by_id.get(migration_id)
+        if mig is None or mig.state not in ("departing", "arrived"):
+            raise exceptions.InvalidInput(
+                what="re-key",
+                reason=f"no migration {migration_id!r} departing or arriving here",
+            )
+        moving = [m for m, f in mig.flows.items() if old_port in (m.in_port, f.owner)]
+        records = [transfer_of(mig.flows[m], m in mig.was_offloaded) for m in moving]
+        # Where each flow leaves the bridge, as this host learned it (the new
+        # port where it was the old one): a re-offload need not wait for a packet.
+        exits = [_renamed(mig.flows[m].out_port, old_port, new_port) for m in moving]
+        gone = []
+        for match in moving:
+            flow = mig.flows.pop(match)
+            mig.was_offloaded.discard(match)
+            if self.control.flows.get(match) is flow:
+                self.control.forget(match)
+                gone.append(flow)
+        mig.ports = tuple(sorted({*mig.ports, new_port}))
+        mig.renamed = {k: _renamed(v, old_port, new_port) or v for k, v in mig.renamed.items()}
+        mig.renamed[old_port] = new_port
+        mig.renamed.pop(new_port, None)  # keyed back where it was
+        held = flow_held(mig)
+        for record, out_port in zip(rekey_records(records, old_port, new_port), exits, strict=True):
+            flow = self._adopt(record, held, add=True)
+            flow.out_port = flow.out_port or out_port
+            mig.flows[record.match] = flow
+            if record.was_offloaded:
+                mig.was_offloaded.add(record.match)
+        return gone
+
+    def _adopt(self, record: FlowTransfer, held: str, add: bool = False) -> TrackedFlow:
+        """Track a flow from its record, its counters carried (``add``: on top of
+        what a flow already tracked under that key carried)."""
         direction = policy_mod.Direction(record.direction)
         out_port = record.owner if direction is policy_mod.Direction.INGRESS else None
         flow = self.control.flows.get(record.match)
@@ -297,9 +365,13 @@ class FlowMigrations:
                 setup=setup,
             )  # fmt: skip
             flow.needs_rule = True
-        flow.carried_onloaded, flow.carried_offloaded = record.onloaded, record.offloaded
+        if add:
+            flow.carried_onloaded = flow.carried_onloaded + record.onloaded
+            flow.carried_offloaded = flow.carried_offloaded + record.offloaded
+        else:
+            flow.carried_onloaded, flow.carried_offloaded = record.onloaded, record.offloaded
         flow.moves += record.moves
-        flow.held = f"arriving from {peer}: waiting for the VM to resume here"
+        flow.held = held
         flow.reason = flow.held
         flow.reoffload = record.was_offloaded
         return flow
@@ -320,6 +392,8 @@ class FlowMigrations:
     def settle(self, migration_id: str, final: list[FlowTransfer]) -> FlowMigration:
         """The source's final counters replace what arrived with the records."""
         mig = self.get(migration_id, Role.DESTINATION)
+        for old, new in mig.renamed.items():
+            final = rekey_records(final, old, new)
         for record in final:
             flow = mig.flows.get(record.match)
             if flow is not None and self.control.flows.get(record.match) is flow:
@@ -341,6 +415,17 @@ class FlowMigrations:
 
     def status(self) -> list[dict[str, Any]]:
         return [mig.as_dict() for mig in self.by_id.values()]
+
+
+def _renamed(port: str | None, old: str, new: str) -> str | None:
+    return new if port == old else port
+
+
+def flow_held(mig: FlowMigration) -> str:
+    """Why a migration holds its flows onloaded, as the status file says it."""
+    if mig.role is Role.SOURCE:
+        return f"migrating to {mig.peer}: onloaded before switchover"
+    return f"arriving from {mig.peer}: waiting for the VM to resume here"
 
 
 def _check_records(ports: tuple[str, ...], held: int, records: list[FlowTransfer]) -> None:

@@ -2,7 +2,8 @@
 
 A request without a valid credential gets 401, a malformed one 400, one for
 something that does not exist 404; none changes anything.  A migration the
-policy refuses gets 409 with its reasons; a backend failure (libvirt, a peer
+policy refuses gets 409 with its reasons; an expensive request refused for
+load 503 with Retry-After (admission.py); a backend failure (libvirt, a peer
 agent, a command) 502; a bug 500, logged with its traceback.  Every error
 comes back as JSON with the FlexMig message, never as a traceback.
 """
@@ -17,7 +18,7 @@ from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
-from agents.agent import auth, listener
+from agents.agent import admission, auth, listener
 from flexmig import exceptions
 
 LOG = logging.getLogger("flexmig.agent.api")
@@ -71,6 +72,8 @@ def error_reply(exc: Exception) -> tuple[int, dict[str, Any]]:
     if isinstance(exc, exceptions.PolicyRefused):
         reply = {"error": str(exc), "kind": "refused", "vm": exc.vm, "reasons": list(exc.reasons)}
         return 409, reply
+    if isinstance(exc, admission.Busy):
+        return 503, {"error": str(exc), "kind": "busy", "retry_after": exc.retry_after}
     if isinstance(exc, exceptions.BackendError):
         return 502, {"error": str(exc), "kind": "backend"}
     if isinstance(exc, exceptions.FlexMigError):
@@ -113,6 +116,8 @@ def make_handler(verifier: auth.Verifier, router: Router) -> type[BaseHTTPReques
             self.send_header(
                 "Content-Type", "application/octet-stream" if raw else "application/json"
             )
+            if not raw and "retry_after" in payload:
+                self.send_header("Retry-After", str(payload["retry_after"]))
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)

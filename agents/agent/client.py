@@ -19,6 +19,14 @@ class AgentError(exceptions.BackendError):
     msg_fmt = "Agent %(agent)s: %(reason)s"
 
 
+class AgentBusy(AgentError):
+    """The agent refused an expensive request for load; nothing was started."""
+
+    def __init__(self, agent: str, reason: str, retry_after: int) -> None:
+        super().__init__(agent=agent, reason=reason)
+        self.retry_after = retry_after
+
+
 def _error(agent: str, what: str, status: int, reply: dict[str, Any]) -> exceptions.FlexMigError:
     """The exception an error reply stands for: the API's kinds map back to ours."""
     text = f"Agent {agent}: {what}: {status} {reply.get('error')}"
@@ -28,6 +36,9 @@ def _error(agent: str, what: str, status: int, reply: dict[str, Any]) -> excepti
         return exceptions.NotFound(text)
     if status == 400:
         return exceptions.InvalidInput(text)
+    if status == 503 and isinstance(reply.get("retry_after"), int):
+        reason = f"{what}: {status} {reply.get('error')}"
+        return AgentBusy(agent, reason, reply["retry_after"])
     return AgentError(agent=agent, reason=f"{what}: {status} {reply.get('error')}")
 
 

@@ -64,6 +64,24 @@ agent_opts = [
         help="Requests that have started arriving and wait for a worker.",
     ),
     cfg.IntOpt(
+        "expensive_workers",
+        default=4,
+        min=1,
+        max=64,
+        help="Expensive requests (plans and inventories, which sample dirty "
+        "rates for seconds) run at most this many at once, so cheap ones "
+        "(health, facts, migration status) never wait behind them. "
+        "workers must exceed expensive_workers + expensive_queued.",
+    ),
+    cfg.IntOpt(
+        "expensive_queued",
+        default=4,
+        min=0,
+        max=256,
+        help="Expensive requests that may wait for one of expensive_workers; "
+        "beyond this they are refused at once with 503 and a Retry-After.",
+    ),
+    cfg.IntOpt(
         "max_idle_connections",
         default=1024,
         min=1,
@@ -87,6 +105,20 @@ agent_opts = [
         "control_socket): a migrating VM's offloaded flows are demoted, carried to "
         "the destination and re-offloaded there through it. Empty, or no extension "
         "running: VMs migrate without it.",
+    ),
+    cfg.ListOpt(
+        "sriov_failover_vfs",
+        default=[],
+        item_type=cfg.types.String(
+            regex=r"^[0-9a-f]{4}:[0-9a-f]{2}:[0-9a-f]{2}\.[0-7]$", max_length=12
+        ),
+        bounds=True,
+        help="PCI addresses (0000:3b:02.1, ...) of this host's switchdev VFs the "
+        "agent may hot-plug as the primary of an arriving VM's SR-IOV failover pair "
+        "(a VF with <teaming type='transient'>, a virtio standby with "
+        "<teaming type='persistent'>); the first one no domain has is used. Empty: "
+        "arriving pairs keep their standby (onloaded) until a VF is attached. Hosts "
+        "where Nova drives migration leave it empty: Nova attaches the VF it claimed.",
     ),
     cfg.IntOpt(
         "memory_budget_mb",
@@ -149,4 +181,14 @@ def check_tls(conf: cfg.ConfigOpts) -> None:
         missing = sorted(set(files) - set(given))
         raise cfg.ConfigFileValueError(
             f"[agent] TLS needs tls_cert_file, tls_key_file and tls_ca_file; missing {missing}"
+        )
+
+
+def check_workers(conf: cfg.ConfigOpts) -> None:
+    """Cheap requests keep workers that expensive ones can never hold (admission.py)."""
+    held = conf.agent.expensive_workers + conf.agent.expensive_queued
+    if conf.agent.workers <= held:
+        raise cfg.ConfigFileValueError(
+            f"[agent] workers ({conf.agent.workers}) must exceed expensive_workers + "
+            f"expensive_queued ({held}), or health checks wait behind plans"
         )

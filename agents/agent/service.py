@@ -18,6 +18,7 @@ from oslo_log import log
 from oslo_privsep import daemon as privsep_daemon
 
 from agents.agent import (
+    admission,
     api,
     auth,
     config,
@@ -27,6 +28,7 @@ from agents.agent import (
     movers,
     offload_hook,
     privileged,
+    sriov_failover,
 )
 from agents.agent.client import AgentClient
 from agents.agent.migrations import Destination, MigrationService
@@ -64,8 +66,9 @@ class Agent:
             conf.agent.state_dir, conf.agent.store_dir, conf.agent.cgroup_parent
         )
         self.offload = offload_hook.OffloadHook(
-            conf.agent.offload_control_socket, self.key, self.host, conf.agent.libvirt_uri
-        )
+            conf.agent.offload_control_socket, self.key, self.host, conf.agent.libvirt_uri,
+            failover_vfs=conf.agent.sriov_failover_vfs,
+        )  # fmt: skip
         self.migrations = MigrationService(
             self.host, conf, migration_options.read(conf), self.offload
         )
@@ -73,6 +76,13 @@ class Agent:
         self.flushers: dict[str, ChunkFlusher] = {}
         self.keepers: dict[str, ResidencyKeeper] = {}
         self._store_probe = (0.0, 0.0)
+        # Plans and inventories share one gate: both sample dirty rates for seconds.
+        self.gate = admission.Gate(
+            "plan or inventory",
+            admission.Bounds(conf.agent.expensive_workers, conf.agent.expensive_queued),
+            # A queued request must still be answered before its client's own timeout.
+            wait_limit_s=conf.agent.socket_timeout,
+        )
         self.router = api.Router()
         r = self.router
         r.add("GET", "/v1/health", lambda b, m: (200, {"ok": True, "host": self.host}))
@@ -83,7 +93,7 @@ class Agent:
         r.add("GET", r"/v1/split/(?P<vm>[^/]+)", self.split_status)
         r.add("POST", "/v1/incoming/writeback", self.incoming_writeback)
         # Read-only: Nova's drain (nova_driver.drain) asks it too.
-        r.add("POST", "/v1/inventory", self.inventory)
+        r.add("POST", "/v1/inventory", self.expensive(self.inventory))
         # Movers: the agents' own migrations and Nova's driver (which drives
         # libvirt itself and asks both agents for movers by migration id) use
         # them, so they stay open when orchestration is off.
@@ -103,10 +113,17 @@ class Agent:
         r.add("POST", "/v1/offload/restore", self.offload_restore)
         # Routes that plan or move VMs on the agents' own initiative.
         orchestrate = self._orchestration
-        r.add("POST", "/v1/plan", orchestrate(self.plan))
+        r.add("POST", "/v1/plan", orchestrate(self.expensive(self.plan)))
         r.add("POST", "/v1/migrations", orchestrate(self.migrate))
         r.add("GET", r"/v1/migrations/(?P<id>[0-9a-f]+)", orchestrate(self.migration_status))
         r.add("GET", "/v1/migrations", orchestrate(self.list_migrations))
+
+    def expensive(self, handler: api.Handler) -> api.Handler:
+        def gated(body: dict[str, Any], m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+            with self.gate.slot():
+                return handler(body, m)
+
+        return gated
 
     def _orchestration(self, handler: api.Handler) -> api.Handler:
         if self.conf.agent.allow_orchestration:
@@ -345,10 +362,11 @@ class Agent:
     # -- offloaded flows across a migration (offload_hook.py) ---------------------
     def offload_arrive(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         fields = {"migration_id": str, "vm": str, "ports": list, "peer": str, "flows": list}
-        api.check_fields(body, fields)
+        api.check_fields(body, fields, {"failover": list})
         note = self.offload.arrive(
-            body["migration_id"], body["vm"], body["ports"], body["peer"], body["flows"]
-        )
+            body["migration_id"], body["vm"], body["ports"], body["peer"], body["flows"],
+            failover=body.get("failover"),
+        )  # fmt: skip
         return 200, {"note": note}
 
     def offload_records(
@@ -373,11 +391,18 @@ class Agent:
         return self.peer(peer["address"], peer["port"])
 
     def offload_depart(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
-        api.check_fields(body, {"migration_id": str, "vm": str, "dest": dict})
+        api.check_fields(body, {"migration_id": str, "vm": str, "dest": dict}, {"nova_vfs": dict})
+        nova_vfs = body.get("nova_vfs")
+        if nova_vfs is not None:
+            for mac, vf in nova_vfs.items():
+                if not sriov_failover.MAC.match(mac) or not isinstance(vf, str):
+                    raise api.BadRequest(reason=f"nova_vfs: {mac!r} -> {vf!r}"[:200])
+                sriov_failover.check_pci(vf)
         events: list[str] = []
         handled = self.offload.depart(
-            body["migration_id"], body["vm"], self._offload_peer(body), events.append
-        )
+            body["migration_id"], body["vm"], self._offload_peer(body), events.append,
+            nova_vfs=nova_vfs,
+        )  # fmt: skip
         return 200, {"handled": handled, "events": events}
 
     def offload_finish(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
@@ -472,6 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         # oslo.privsep reads its [privsep_agent] group from the global object.
         cfg.CONF(args, project="flexmig", prog="flexmig-agent", default_config_files=[])
         config.check_tls(conf)
+        config.check_workers(conf)
         agent = Agent(conf)
         privileged.start()
         servers = api.make_servers(

@@ -27,17 +27,17 @@ class Clock:
 
 
 class Sim:
-    def __init__(self, pol, capacity=16):
+    def __init__(self, pol, capacity=16, vm_ports=(r"tap\d+", r"ep-\w+"), ports=()):
         self.clock = Clock()
         self.provider = FakeProvider(capacity)
-        self.dispatchers = Dispatchers(self.provider, "fake", [r"tap\d+", r"ep-\w+"], ["phy0"])
+        self.dispatchers = Dispatchers(self.provider, "fake", list(vm_ports), ["phy0"])
         self.control = OffloadControl(
             pol, self.provider, "fake", self.dispatchers, flows.FlowManager(self.clock),
             wall_clock=self.clock,
         )  # fmt: skip
         self.rules: dict[int, FlowCounters] = {}
         self.sent: dict[FlowMatch, int] = {}
-        for port in ("phy0", "tap0", "tap1", "ep-a"):
+        for port in ("phy0", "tap0", "tap1", "ep-a", *ports):
             self.control.port_added(port)
 
     def start(self, match, out_port):

@@ -67,6 +67,9 @@ def test_an_unsigned_or_wrongly_signed_request_changes_nothing(served):
         {"migration_id": "m1", "ports": ["tap0; rm -rf"], "peer": "b"},
         {"migration_id": "m1", "ports": ["tap0"]},
         {"migration_id": "m1", "ports": ["tap0"], "peer": "b", "extra": 1},
+        {"migration_id": "m1", "ports": ["tap0"], "peer": "b", "rekey": {"tap9": "tap1"}},
+        {"migration_id": "m1", "ports": ["tap0"], "peer": "b", "rekey": {"tap0": "x;y"}},
+        {"migration_id": "m1", "ports": ["tap0"], "peer": "b", "rekey": {"tap0": "tap0"}},
     ],
 )
 def test_bad_depart_requests_are_refused_and_change_nothing(served, body):
@@ -120,3 +123,19 @@ def test_records_of_a_vm_with_many_flows_arrive_in_parts(served, tmp_path):
     finally:
         dest_api.server.shutdown()
         dest_api.server.server_close()
+
+
+def test_depart_with_rekey_returns_records_keyed_by_the_standby(served):
+    """An SR-IOV failover pair: the VF representor's flows leave keyed by the standby."""
+    sim, client, tmp_path = served
+    m = flow(1, port="tap1")  # tap1 plays the VF representor, tap0 the standby
+    offloaded(sim, m)
+    body = {"migration_id": "m-2", "ports": ["tap0", "tap1"], "peer": "hostB"}
+    records = client.post("/v1/migrations/depart", body | {"rekey": {"tap1": "tap0"}})["flows"]
+    assert [r["match"]["in_port"] for r in records] == ["tap0"]
+    assert [r["owner"] for r in records] == ["tap0"] and records[0]["was_offloaded"]
+    assert sim.control.flows.get(m) is None
+    with pytest.raises(exceptions.InvalidInput, match="400"):
+        client.post("/v1/migrations/m-2/rekey", {"from": "tap0", "to": "tap0"})
+    back = client.post("/v1/migrations/m-2/rekey", {"from": "tap0", "to": "tap1"})
+    assert back["rekeyed"] == 1 and sim.control.flows.get(m) is not None

@@ -1,5 +1,6 @@
 """SR-IOV failover pairs: the domain XML libvirt gets and the records' re-keying."""
 
+import dataclasses
 import xml.etree.ElementTree as ET
 
 import pytest
@@ -71,3 +72,60 @@ def test_steps_name_both_vfs_in_order():
     steps = failover.migration_steps(PAIR, "0000:5e:00.3", "pf1vf3")
     assert steps[0].startswith("demote") and "pf0vf1" in steps[0]
     assert "0000:3b:02.1" in steps[2] and "0000:5e:00.3" in steps[4] and "pf1vf3" in steps[5]
+
+
+# -- the extension's side: a migration's flows re-keyed between NICs ----------------
+def rep_sim():
+    from tests.unit.test_offload_control import Sim, stats_policy
+
+    return Sim(stats_policy(), 16, (r"tap\d+", r"pf\d+vf\d+"), ("tap4", "pf0vf1", "pf1vf3"))
+
+
+def test_a_vf_flow_goes_to_the_standby_and_on_to_the_next_vf_with_every_packet_counted():
+    from ovs_ext import migration
+    from ovs_ext.flows import FlowState
+
+    src, dst = rep_sim(), rep_sim()
+    vf = FlowMatch("pf0vf1", 17, "10.0.0.1", "10.0.0.2", 4000, 7001)
+    src.start(vf, "phy0")
+    for _ in range(3):
+        src.tick({vf: 5000})
+    assert src.control.flows.get(vf).state is FlowState.OFFLOADED
+    s_mig, d_mig = migration.FlowMigrations(src.control), migration.FlowMigrations(dst.control)
+    s_mig.depart("m", ["tap4", "pf0vf1"], "hostB")
+    gone = s_mig.rekey("m", "pf0vf1", "tap4")
+    standby = dataclasses.replace(vf, in_port="tap4")
+    assert [f.match for f in gone] == [vf] and src.control.flows.get(vf) is None
+    held = src.control.flows.get(standby)
+    assert held.state is FlowState.ONLOADED and held.held and held.out_port == "phy0"
+    assert held.total.packets == src.sent[vf]
+    d_mig.arrive("m", ["tap4"], "hostA", s_mig.records("m"))
+    d_mig.rekey("m", "tap4", "pf1vf3")
+    # While the VF is unplugged the guest's packets enter by the standby, counted
+    # there after the records left: only the final counters bring them.
+    src.sent[standby] = src.sent[vf]
+    src.start(standby, "phy0")
+    src.tick({standby: 2000})
+    d_mig.resume("m")
+    final, _ = s_mig.finish("m")
+    d_mig.settle("m", final)  # still keyed by the standby: the destination renames them
+    there = dst.control.flows.get(dataclasses.replace(vf, in_port="pf1vf3"))
+    assert there.owner == "pf1vf3" and there.reoffload
+    assert there.total.packets == src.sent[standby]  # every packet, once
+    assert dst.control.flows.get(standby) is None
+
+
+def test_rekey_outside_a_departing_or_arriving_migration_is_refused_and_changes_nothing():
+    from ovs_ext import migration
+
+    sim = rep_sim()
+    vf = FlowMatch("pf0vf1", 17, "10.0.0.1", "10.0.0.2", 4000, 7001)
+    sim.start(vf, "phy0")
+    flows = migration.FlowMigrations(sim.control)
+    with pytest.raises(exceptions.InvalidInput):
+        flows.rekey("nope", "pf0vf1", "tap4")
+    flows.depart("m", ["pf0vf1"], "hostB")
+    flows.finish("m")
+    with pytest.raises(exceptions.InvalidInput):
+        flows.rekey("m", "pf0vf1", "tap4")
+    assert sim.control.flows.get(dataclasses.replace(vf, in_port="tap4")) is None

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
 
 import pytest
 
@@ -54,3 +55,32 @@ def test_gaps_duplicates_and_late_arrivals_are_counted_per_packet() -> None:
     assert (got["unique_packets"], got["duplicates"], got["late"]) == (16, 1, 1)
     assert (got["highest_seq"], got["missing"]) == (19, 4)
     assert (got["missing_runs"], got["longest_missing_run"]) == (2, 2)
+
+
+def test_each_forward_jump_is_reported_with_the_send_times_around_it() -> None:
+    port = _free_port()
+    sink = _sink(port)
+    order = [0, 1, 2, 6, 7, 3, 20]  # jumps 2 -> 6 (3 skipped) and 7 -> 20 (12 skipped)
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        for seq in order:
+            stamp = 1_000_000 + 10 * seq  # the sender's clock, ns
+            s.sendto(struct.pack("!IQQ", MAGIC, seq, stamp) + bytes(20), ("127.0.0.1", port))
+    got = sink.result()
+    assert got["jumps_seen"] == 2
+    assert got["jumps"] == [
+        {"seq": 6, "gap": 3, "before_ns": 1_000_020, "after_ns": 1_000_060},
+        {"seq": 20, "gap": 12, "before_ns": 1_000_070, "after_ns": 1_000_200},
+    ]
+    assert (got["first_sent_ns"], got["last_sent_ns"]) == (1_000_000, 1_000_200)
+    assert got["missing"] == 3 - 1 + 12  # 3 came late
+
+
+def test_the_sender_stamps_its_own_clock_on_every_datagram() -> None:
+    port = _free_port()
+    sink = _sink(port)
+    before = time.time_ns()
+    traffic.send([], "127.0.0.1", port, sport=0, count=50, size=64, rate=5000, batch=1)
+    after = time.time_ns()
+    got = sink.result()
+    assert got["jumps"] == [] and got["unique_packets"] == 50
+    assert before <= got["first_sent_ns"] < got["last_sent_ns"] <= after

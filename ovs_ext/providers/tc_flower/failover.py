@@ -19,89 +19,38 @@ dest    5. hot-plug a free VF of the destination with the VM's MAC as primary
         6. re-key the arrived records to the destination's VF representor and
            re-offload them there (destination policy and capacity permitting).
 
-Pure functions: the XML and record rewriting; the plug/unplug is libvirt's
-(``attachDeviceFlags``), tested on a gate with such a NIC (docs/sriov-failover-gate.md).
+The domain XML of a pair and plugging a VF are the agent's (it owns libvirt:
+``agents/agent/sriov_failover.py``, re-exported here); re-keying the records
+is the extension's (``ovs_ext.migration``); the hook runs both
+(``agents/agent/offload_hook.py``).  A gate with such a NIC checks the whole
+path (docs/sriov-failover-gate.md).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
-from xml.sax.saxutils import quoteattr
 
-from flexmig import exceptions
+from agents.agent.sriov_failover import (
+    FailoverPair,
+    primary_interface_xml,
+    standby_interface_xml,
+)
+from ovs_ext import migration
 from ovs_ext.migration import FlowTransfer
 
-PCI_ADDRESS = re.compile(
-    r"^(?P<domain>[0-9a-f]{4}):(?P<bus>[0-9a-f]{2}):(?P<slot>[0-9a-f]{2})\.(?P<function>[0-7])$"
-)
-MAC = re.compile(r"^[0-9a-f]{2}(:[0-9a-f]{2}){5}$")
-ALIAS = re.compile(r"^ua-[A-Za-z0-9_-]{1,40}$")  # libvirt: user aliases start with "ua-"
-
-
-@dataclasses.dataclass(frozen=True)
-class FailoverPair:
-    """One guest NIC: a VF primary and its virtio standby, one MAC."""
-
-    vf_pci: str  # the VF's PCI address on this host, e.g. 0000:3b:02.1
-    vf_representor: str  # its representor netdev in br-int's host, e.g. eth2_1 / pf0vf1
-    standby_port: str  # the standby's tap on br-int
-    mac: str
-    bridge: str = "br-int"
-    standby_alias: str = "ua-standby0"
-
-    def __post_init__(self) -> None:
-        if not PCI_ADDRESS.match(self.vf_pci):
-            raise exceptions.InvalidInput(what="VF PCI address", reason=repr(self.vf_pci))
-        if not MAC.match(self.mac):
-            raise exceptions.InvalidInput(what="MAC", reason=repr(self.mac))
-        if not ALIAS.match(self.standby_alias):
-            raise exceptions.InvalidInput(what="standby alias", reason=repr(self.standby_alias))
-        for what, name in (("representor", self.vf_representor), ("standby", self.standby_port)):
-            if not re.fullmatch(r"[A-Za-z0-9_.-]{1,15}", name):
-                raise exceptions.InvalidInput(what=f"{what} port", reason=repr(name))
-
-
-def standby_interface_xml(pair: FailoverPair) -> str:
-    """The virtio standby, always present: QEMU's virtio-net ``failover=on``."""
-    return (
-        "<interface type='bridge'>"
-        f"<source bridge={quoteattr(pair.bridge)}/><virtualport type='openvswitch'/>"
-        f"<mac address={quoteattr(pair.mac)}/><target dev={quoteattr(pair.standby_port)}/>"
-        "<model type='virtio'/><teaming type='persistent'/>"
-        f"<alias name={quoteattr(pair.standby_alias)}/>"
-        "</interface>"
-    )
-
-
-def primary_interface_xml(pair: FailoverPair) -> str:
-    """The VF primary (``failover_pair_id`` = the standby): unplugged by QEMU when
-    a migration starts, hot-plugged on the destination with that host's VF."""
-    m = PCI_ADDRESS.match(pair.vf_pci)
-    assert m is not None  # checked in __post_init__
-    address = " ".join(f"{k}={quoteattr('0x' + v)}" for k, v in m.groupdict().items())
-    return (
-        "<interface type='hostdev' managed='yes'>"
-        f"<mac address={quoteattr(pair.mac)}/>"
-        f"<source><address type='pci' {address}/></source>"
-        f"<teaming type='transient' persistent={quoteattr(pair.standby_alias)}/>"
-        "</interface>"
-    )
+__all__ = [
+    "FailoverPair",
+    "migration_steps",
+    "primary_interface_xml",
+    "rekey",
+    "standby_interface_xml",
+]
 
 
 def rekey(records: list[FlowTransfer], old_port: str, new_port: str) -> list[FlowTransfer]:
-    """Records of flows entering by (or owned by) ``old_port``, now by ``new_port``.
-
-    Counters and history stay: the flow is the guest's, whichever NIC carries it.
-    """
-    out = []
-    for record in records:
-        match = record.match
-        if match.in_port == old_port:
-            match = dataclasses.replace(match, in_port=new_port)
-        owner = new_port if record.owner == old_port else record.owner
-        out.append(dataclasses.replace(record, match=match, owner=owner))
-    return out
+    """Records of flows entering by (or owned by) ``old_port``, now by ``new_port``
+    (the extension's ``FlowMigrations.rekey`` does this to a migration's flows)."""
+    return migration.rekey_records(records, old_port, new_port)
 
 
 def migration_steps(source: FailoverPair, dest_vf_pci: str, dest_representor: str) -> list[str]:

@@ -95,6 +95,20 @@ class LabVM:
             raise exceptions.InvalidInput(what="udpgen command", reason=f"{tag} {args}")
         self.command(f"udpgen {tag} {' '.join(args)}")
 
+    def udpgen_listening(self, tag: str, timeout: float = 20.0) -> None:
+        """Wait until the guest's ``udpgen recv`` named ``tag`` has its socket open
+        (it says "listening" on stderr, which ``udpgen-result`` shows while it runs)."""
+
+        def ready() -> bool:
+            text = self.command(f"udpgen-result {tag}")
+            if not text.startswith("running"):
+                raise exceptions.GuestError(vm=self.name, reason=f"udpgen {tag} ended: {text}")
+            return "listening" in text
+
+        processutil.wait_for(
+            ready, timeout=timeout, interval=0.3, what=f"udpgen {tag} in {self.name} to listen"
+        )
+
     def udpgen_result(self, tag: str, timeout: float = 60.0) -> dict[str, float]:
         """The JSON totals the guest's udpgen printed when it ended."""
 

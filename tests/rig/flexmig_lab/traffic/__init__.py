@@ -197,3 +197,33 @@ def xdp_send(
 ) -> dict[str, float]:
     """Run xdpgen to completion (``count`` frames or ``duration`` s); returns its totals."""
     return XdpSender(prefix, dev, flow, count=count, duration=duration, batch=batch).result()
+
+
+class Sender:
+    """A running ``udpgen send`` (paced, numbered and time-stamped datagrams);
+    :meth:`result` waits for its totals.  ``batch=1`` paces every datagram, so
+    a sequence number maps to its send time within the pacing's precision."""
+
+    def __init__(
+        self,
+        prefix: list[str],
+        dst: str,
+        port: int,
+        *,
+        sport: int,
+        count: int,
+        rate: int,
+        size: int = 64,
+        batch: int = 1,
+    ) -> None:
+        check_built()
+        if count <= 0 or rate <= 0:
+            raise exceptions.InvalidInput(what="udpgen sender", reason="count and rate must be > 0")
+        cmd = [*prefix, str(UDPGEN), "send", "--dst", dst, "--port", str(port)]
+        cmd += ["--sport", str(sport), "--size", str(size), "--batch", str(batch)]
+        cmd += ["--count", str(count), "--rate", str(rate)]
+        self.timeout = count / rate + 30
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def result(self) -> dict[str, float]:
+        return _json_result(self.proc, self.timeout, "udpgen sender", "udpgen send")

@@ -17,6 +17,13 @@
  * duplicates, late arrivals, and the missing numbers below the highest seen
  * (count, ranges, longest range): loss and duplication per packet, e.g.
  * across a live migration, not only a difference of two totals.
+ * Datagrams of 20 bytes or more also carry the moment they were sent
+ * (CLOCK_REALTIME, ns): all lab hosts and namespaces share the host's clock, so
+ * a sink inside a guest, whose own clock is not the host's, still tells when
+ * the packets around a gap were sent.  Each forward jump of the numbers (a gap
+ * as it was seen, before any late arrival fills it) is reported with the send
+ * times of the datagrams on both sides: e.g. when the first packet reached a
+ * VM at its new host after a live migration.
  * The sender retries a batch the kernel could not take (ENOBUFS/EAGAIN) so
  * "--count N" means exactly N datagrams left the socket.
  *
@@ -50,6 +57,8 @@
 #define SEQ_MAGIC 0x464d5351u /* "FMSQ" */
 #define SEQ_HEADER 12 /* magic (4) + sequence number (8), network order */
 #define SEQ_MAX (1u << 24) /* numbers the sink tracks: a 2 MiB bitmap */
+#define SEQ_TIMED 20 /* + send time (8), CLOCK_REALTIME ns, network order */
+#define MAX_JUMPS 32 /* gaps reported with their send times; the rest counted */
 
 struct options {
 	const char *mode;
@@ -76,6 +85,14 @@ struct totals {
 	double last;
 };
 
+/* A forward jump of the sequence numbers, as it arrived. */
+struct jump {
+	uint64_t seq; /* the first number after the gap */
+	uint64_t gap; /* numbers skipped */
+	uint64_t before_ns; /* send time of the highest number before it (0: untimed) */
+	uint64_t after_ns; /* send time of seq (0: untimed) */
+};
+
 /* What the sink saw of the sender's sequence numbers. */
 struct seqs {
 	uint8_t *seen; /* bitmap of SEQ_MAX numbers, allocated at the first one */
@@ -85,31 +102,73 @@ struct seqs {
 	uint64_t late; /* below the highest number seen before it */
 	uint64_t beyond; /* numbers >= SEQ_MAX: counted, not tracked */
 	int64_t highest;
+	uint64_t highest_ns; /* send time of the highest number */
+	uint64_t first_ns; /* send time of the first timed datagram */
+	uint64_t njumps;
+	struct jump jumps[MAX_JUMPS];
 };
 
-static void seq_stamp(uint8_t *hdr, uint64_t seq)
+static void put_u64(uint8_t *at, uint64_t v)
+{
+	uint32_t hi = htonl((uint32_t)(v >> 32)), lo = htonl((uint32_t)v);
+
+	memcpy(at, &hi, 4);
+	memcpy(at + 4, &lo, 4);
+}
+
+static uint64_t get_u64(const uint8_t *at)
+{
+	uint32_t hi, lo;
+
+	memcpy(&hi, at, 4);
+	memcpy(&lo, at + 4, 4);
+	return (uint64_t)ntohl(hi) << 32 | ntohl(lo);
+}
+
+static uint64_t wall_ns(void)
+{
+	struct timespec ts;
+
+	clock_gettime(CLOCK_REALTIME, &ts);
+	return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void seq_stamp(uint8_t *hdr, uint64_t seq, int timed)
 {
 	uint32_t magic = htonl(SEQ_MAGIC);
-	uint32_t hi = htonl((uint32_t)(seq >> 32)), lo = htonl((uint32_t)seq);
 
 	memcpy(hdr, &magic, 4);
-	memcpy(hdr + 4, &hi, 4);
-	memcpy(hdr + 8, &lo, 4);
+	put_u64(hdr + 4, seq);
+	if (timed)
+		put_u64(hdr + SEQ_HEADER, wall_ns());
+}
+
+static void seq_jump(struct seqs *q, uint64_t seq, uint64_t sent_ns)
+{
+	if (q->highest >= 0 && seq > (uint64_t)q->highest + 1) {
+		if (q->njumps < MAX_JUMPS)
+			q->jumps[q->njumps] = (struct jump){ seq, seq - (uint64_t)q->highest - 1,
+							     q->highest_ns, sent_ns };
+		q->njumps++;
+	}
+	q->highest = (int64_t)seq;
+	q->highest_ns = sent_ns;
 }
 
 static int seq_note(struct seqs *q, const uint8_t *buf, size_t len)
 {
-	uint32_t magic, hi, lo;
-	uint64_t seq;
+	uint64_t seq, sent_ns;
+	uint32_t magic;
 
 	if (len < SEQ_HEADER)
 		return 0;
 	memcpy(&magic, buf, 4);
 	if (ntohl(magic) != SEQ_MAGIC)
 		return 0;
-	memcpy(&hi, buf + 4, 4);
-	memcpy(&lo, buf + 8, 4);
-	seq = (uint64_t)ntohl(hi) << 32 | ntohl(lo);
+	seq = get_u64(buf + 4);
+	sent_ns = len >= SEQ_TIMED ? get_u64(buf + SEQ_HEADER) : 0;
+	if (sent_ns && !q->first_ns)
+		q->first_ns = sent_ns;
 	q->sequenced++;
 	if (seq >= SEQ_MAX) {
 		q->beyond++;
@@ -130,7 +189,7 @@ static int seq_note(struct seqs *q, const uint8_t *buf, size_t len)
 	if ((int64_t)seq < q->highest)
 		q->late++;
 	else
-		q->highest = (int64_t)seq;
+		seq_jump(q, seq, sent_ns);
 	return 0;
 }
 
@@ -158,6 +217,15 @@ static void seq_report(const struct seqs *q)
 	       (unsigned long long)q->duplicates, (unsigned long long)q->late,
 	       (long long)(q->seen ? q->highest : -1), (unsigned long long)missing,
 	       (unsigned long long)runs, (unsigned long long)longest, (unsigned long long)q->beyond);
+	printf(", \"first_sent_ns\": %llu, \"last_sent_ns\": %llu, \"jumps_seen\": %llu, \"jumps\": [",
+	       (unsigned long long)q->first_ns, (unsigned long long)q->highest_ns,
+	       (unsigned long long)q->njumps);
+	for (i = 0; i < (int64_t)q->njumps && i < MAX_JUMPS; i++)
+		printf("%s{\"seq\": %llu, \"gap\": %llu, \"before_ns\": %llu, \"after_ns\": %llu}",
+		       i ? ", " : "", (unsigned long long)q->jumps[i].seq,
+		       (unsigned long long)q->jumps[i].gap, (unsigned long long)q->jumps[i].before_ns,
+		       (unsigned long long)q->jumps[i].after_ns);
+	printf("]");
 }
 
 static double now(void)
@@ -388,23 +456,26 @@ static int send_batch(int fd, struct mmsghdr *msgs, unsigned int n)
 static int run_send(const struct options *o, struct totals *t)
 {
 	static char payload[MAX_PAYLOAD];
-	static uint8_t hdrs[MAX_BATCH][SEQ_HEADER];
+	static uint8_t hdrs[MAX_BATCH][SEQ_TIMED];
 	struct mmsghdr msgs[MAX_BATCH];
 	struct iovec iov = { .iov_base = payload, .iov_len = o->size };
 	struct iovec seq_iovs[MAX_BATCH][2];
 	double end, next;
 	unsigned int i, n;
-	int fd, err = 0, stamped;
+	int fd, err = 0, stamped, timed;
+	size_t hdr_len;
 
 	fd = o->raw_if ? open_raw(o, (uint8_t *)payload, &iov.iov_len) : open_socket(o, o->sport);
 	if (fd < 0)
 		return fd;
 	/* Raw frames are prebuilt whole, one for all: only the socket path numbers them. */
 	stamped = !o->raw_if && o->size >= SEQ_HEADER;
+	timed = stamped && o->size >= SEQ_TIMED;
+	hdr_len = timed ? SEQ_TIMED : SEQ_HEADER;
 	memset(msgs, 0, sizeof(msgs));
 	for (i = 0; i < o->batch; i++) {
-		seq_iovs[i][0] = (struct iovec){ .iov_base = hdrs[i], .iov_len = SEQ_HEADER };
-		seq_iovs[i][1] = (struct iovec){ .iov_base = payload, .iov_len = stamped ? o->size - SEQ_HEADER : 0 };
+		seq_iovs[i][0] = (struct iovec){ .iov_base = hdrs[i], .iov_len = hdr_len };
+		seq_iovs[i][1] = (struct iovec){ .iov_base = payload, .iov_len = stamped ? o->size - hdr_len : 0 };
 		msgs[i].msg_hdr.msg_iov = stamped ? seq_iovs[i] : &iov;
 		msgs[i].msg_hdr.msg_iovlen = stamped ? 2 : 1;
 	}
@@ -422,7 +493,7 @@ static int run_send(const struct options *o, struct totals *t)
 			next += (double)n / o->rate;
 		}
 		for (i = 0; stamped && i < n; i++)
-			seq_stamp(hdrs[i], t->packets + i);
+			seq_stamp(hdrs[i], t->packets + i, timed);
 		err = send_batch(fd, msgs, n);
 		if (err)
 			goto out;
