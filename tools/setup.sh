@@ -14,6 +14,9 @@ APT_PACKAGES=(
   libclang-rt-14-dev
   libfabric-dev libfabric-bin
   iperf3 socat iproute2 ethtool iputils-ping util-linux
+  # Neutron's OVS firewall clears conntrack entries with it (the test of the
+  # offload beside Neutron's agent).
+  conntrack
   gcc make libc6-dev shellcheck
   python3-venv python3-dev
 )
@@ -108,6 +111,9 @@ install_python() {
     .venv/bin/pip install -q -c constraints.txt -e .
     # The lab (tests/rig): a test rig beside the product, never inside it.
     .venv/bin/pip install -q -c constraints.txt --no-build-isolation -e tests/rig
+    # The runner of the test command's stages (tools/test.sh: tox -e pep8, py3,
+    # functional), as the gate runs them.
+    .venv/bin/pip install -q -c constraints.txt tox
   } >>"$SETUP_LOG" 2>&1
   echo "$want" > "$stamp"
 }

@@ -119,6 +119,18 @@ def test_tox_jobs_run_environments_tox_ini_defines():
         assert run[0]["tasks"][0]["become"] is True  # the lab needs root
 
 
+def test_test_command_runs_environments_tox_ini_defines():
+    """tools/test.sh (the README's test command, .ci/run's) runs its stages through tox."""
+    defined = set(re.findall(r"^\[testenv:([a-z0-9]+)\]", TOX_INI.read_text(), re.MULTILINE))
+    script = (REPO / "tools" / "test.sh").read_text()
+    used = re.findall(r"^\s*(?:exec )?\$TOX\b.*? -e (\w+)", script, re.MULTILINE)
+    assert set(used) == {"pep8", "functional"}, used
+    assert set(used) <= defined
+    # pytest only inside tox's environments, never from .venv directly.
+    code = [line.split("#")[0] for line in script.splitlines()]
+    assert not [line for line in code if "pytest" in line and "$TOX" not in line]
+
+
 def test_playbooks_named_by_jobs_exist():
     jobs, _ = load_zuul()
     for job in jobs.values():
