@@ -28,7 +28,7 @@ from os_ken.controller.handler import CONFIG_DISPATCHER, MAIN_DISPATCHER, set_ev
 from os_ken.lib import hub
 from os_ken.ofproto import ofproto_v1_3
 
-from ovs_ext import flows, neutron, openflow, restore
+from ovs_ext import flows, neutron, openflow, restore, stats_reader
 from ovs_ext.control import OffloadControl
 from ovs_ext.providers.base import FlowCounters, FlowMatch, OffloadError
 
@@ -54,6 +54,9 @@ class Runtime:
     app: OffloadApp | None = None
     # Beside Neutron's agent (ovs_ext/neutron.py); None: the app owns the bridge.
     pipeline: neutron.NeutronPipeline | None = None
+    # Polls read through a connection of their own ([offload] stats_socket);
+    # None: through os-ken's (stats_reader.py says why that is slow).
+    stats_reader: stats_reader.FlowStatsReader | None = None
 
 
 class OffloadApp(app_manager.OSKenApp):
@@ -73,6 +76,7 @@ class OffloadApp(app_manager.OSKenApp):
         self._handoffs_seen: set[int] = set()
         self.watched: dict[str, int] = {}
         self._barrier_done = threading.Event()
+        self._final_read: tuple[int, list[Any], threading.Event] | None = None  # read_rules
         # Whether packet-ins are judged yet: not until the datapath's cached flows
         # from before this connection are purged (see _switch_features).
         self.judging = False
@@ -268,9 +272,9 @@ class OffloadApp(app_manager.OSKenApp):
                 rule = openflow.flow_rule(
                     dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match, msg.total_len
                 )
-            else:  # counts only; its first packet is not noted (not read back)
+            else:  # counts only (Neutron's pipeline forwards), first packet noted
                 rule = self.rt.pipeline.flow_rule(
-                    dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match
+                    dp.ofproto_parser, dp.ofproto, flow.cookie, in_ofport, match, msg.total_len
                 )
             self.send(rule)
 
@@ -308,6 +312,9 @@ class OffloadApp(app_manager.OSKenApp):
         dp = self.datapath
         if dp is None or not self.judging:
             return  # the reply would be taken for the read-back's
+        if self.rt.stats_reader is not None:
+            self._read_stats(dp, self.rt.stats_reader)
+            return
         sent = self._stats_sent_at
         patience = STATS_REPLY_PATIENCE * self.rt.poll_interval
         if sent is not None and time.monotonic() - sent < patience:
@@ -323,6 +330,12 @@ class OffloadApp(app_manager.OSKenApp):
         msg = ev.msg
         if msg.datapath is not self.datapath:
             return
+        final = self._final_read
+        if final is not None and msg.xid == final[0]:
+            final[1].extend(msg.body)
+            if not msg.flags & msg.datapath.ofproto.OFPMPF_REPLY_MORE:
+                final[2].set()
+            return
         if self._read_back is not None:
             self._read_back.extend(msg.body)
             if not msg.flags & msg.datapath.ofproto.OFPMPF_REPLY_MORE:
@@ -335,6 +348,29 @@ class OffloadApp(app_manager.OSKenApp):
         rule_stats, self._stats_parts = self._stats_parts, {}
         learned_stats, self._learned_parts = self._learned_parts, {}
         self._stats_sent_at = None
+        self._apply_poll(msg.datapath, rule_stats, learned_stats)
+
+    def _read_stats(self, dp: Any, reader: stats_reader.FlowStatsReader) -> None:
+        """One poll through the reader's own connection, in the poller's thread."""
+        try:
+            found = reader.read(flows.COOKIE_PREFIX << 48, flows.COOKIE_MASK, _wants_match)
+        except stats_reader.StatsReadError as exc:
+            LOG.warning("statistics poll: %s", exc)
+            return
+        self._stats_parts, self._learned_parts, self._handoffs_seen = {}, {}, set()
+        for stat in found:
+            self._collect(stat)
+        rule_stats, self._stats_parts = self._stats_parts, {}
+        learned_stats, self._learned_parts = self._learned_parts, {}
+        if dp is self.datapath:  # not reconnected meanwhile
+            self._apply_poll(dp, rule_stats, learned_stats)
+
+    def _apply_poll(
+        self,
+        dp: Any,
+        rule_stats: dict[int, FlowCounters],
+        learned_stats: dict[FlowMatch, FlowCounters],
+    ) -> None:
         self._restore_handoffs()
         with self.rt.lock:
             control = self.rt.control
@@ -347,9 +383,9 @@ class OffloadApp(app_manager.OSKenApp):
             self._polls += 1
             # Every poll while small; a big table is rewritten less often.
             every = 1 if len(control.flows) <= STATUS_EVERY_POLL_UP_TO else 10
-            if self.rt.status_file and self._polls % every == 0:
-                _write_json(self.rt.status_file, control.status())
-        dp = msg.datapath
+            status = control.status() if self.rt.status_file and self._polls % every == 0 else None
+        if status is not None:  # encoded and written without the lock packet-ins wait for
+            _write_json(self.rt.status_file, status)
         for flow in report.expired:
             exact = openflow.delete_owned(dp.ofproto_parser, dp.ofproto, flow.cookie, 2**64 - 1)
             self.send(exact)
@@ -408,6 +444,22 @@ class OffloadApp(app_manager.OSKenApp):
     def ofport_of(self, name: str | None) -> int | None:
         return None if name is None else self.port_numbers.get(name)
 
+    def read_rules(self, timeout: float) -> list[Any] | None:
+        """The statistics of every rule the app owns, read now (a clean stop's
+        final counts; the poller is stopped); None if OVS did not answer in time."""
+        dp = self.datapath
+        if dp is None:
+            return None
+        request = openflow.owned_stats_request(dp.ofproto_parser, dp.ofproto)
+        dp.set_xid(request)
+        parts: list[Any] = []
+        done = threading.Event()
+        self._final_read = (request.xid, parts, done)
+        self.send(request)
+        answered = done.wait(timeout)
+        self._final_read = None
+        return parts if answered else None
+
     def remove_judging_rules(self, timeout: float) -> bool:
         """At exit: every flow back to the NORMAL table-miss rule; True once OVS confirmed."""
         dp = self.datapath
@@ -431,15 +483,29 @@ class OffloadApp(app_manager.OSKenApp):
         self._barrier_done.set()
 
 
+def _wants_match(_table: int, cookie: int) -> bool:
+    """A counting rule is known by its match; every other rule by its cookie."""
+    return flows.is_counting_cookie(cookie)
+
+
 def _name(raw: bytes | str) -> str:
     return raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
 
 
+# The poller writes the status file outside the control lock, the control
+# interface (a migration's steps) too: one writer at a time, or one's rename
+# takes the other's temporary file away (FileNotFoundError in a migration's
+# finish, found by the fault campaign).
+_WRITE_LOCK = threading.Lock()
+
+
 def _write_json(path: str, data: object) -> None:
     target = Path(path)
-    tmp = target.with_name(f".{target.name}.{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(target)
+    text = json.dumps(data, indent=1)
+    with _WRITE_LOCK:
+        tmp = target.with_name(f".{target.name}.{os.getpid()}")
+        tmp.write_text(text)
+        tmp.replace(target)
 
 
 def write_status(path: str, data: object) -> None:

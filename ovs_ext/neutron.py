@@ -131,11 +131,21 @@ class NeutronPipeline:
         return mods
 
     def flow_rule(self, parser: ModuleType, ofproto: ModuleType, cookie: int, in_port: int,
-                  match: FlowMatch) -> Any:  # fmt: skip
-        """The per-flow rule: it only counts (Neutron's pipeline forwards)."""
+                  match: FlowMatch, first_length: int = 0) -> Any:  # fmt: skip
+        """The per-flow rule: it only counts (Neutron's pipeline forwards).
+
+        Its one action is the first-packet note (``openflow.flow_rule``'s): the
+        app counted that packet alone, and a run reading the rule back after a
+        crash counts it from the note (without it such a flow was one short).
+        A note does nothing to the packet, and the hand-off resubmits it back
+        to table 0 whatever this rule does.
+        """
+        from ovs_ext import openflow
+
         fields: dict[str, Any] = dict(flows.openflow_match(match, in_port))
+        note = parser.NXActionNote(note=list(openflow.FIRST_PACKET_NOTE.pack(first_length)))
         return self._mod(parser, ofproto, cookie, self.table, flows.FLOW_PRIORITY,
-                         parser.OFPMatch(**fields), [])  # fmt: skip
+                         parser.OFPMatch(**fields), [note])  # fmt: skip
 
     def set_controller_id(self, parser: ModuleType) -> Any:
         """NXT_SET_CONTROLLER_ID: packet-ins of ``controller(id=...)`` come to this

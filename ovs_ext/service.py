@@ -5,11 +5,13 @@ anything touches the bridge), the configured provider through stevedore, then
 runs the os-ken app on a loopback address, points the bridge at it and
 serves the statistics endpoint.  SIGHUP re-reads the policy (an invalid file
 is rejected whole: the running policy and every flow stay as they are);
-SIGTERM gives every flow back to the bridge and detaches the fast path.
+SIGTERM gives every flow back to the bridge and detaches the fast path,
+keeping every flow's counters in the counters file for the next start.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -19,6 +21,7 @@ import sys
 import threading
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 from oslo_config import cfg
 from oslo_log import log
@@ -26,8 +29,8 @@ from stevedore import driver
 
 from agents.agent import auth
 from flexmig import exceptions
-from ovs_ext import config, control_api, neutron, policy
-from ovs_ext.app import Runtime
+from ovs_ext import config, control_api, neutron, policy, restore, stats_reader
+from ovs_ext.app import Runtime, write_status
 from ovs_ext.control import OffloadControl
 from ovs_ext.dispatcher import Dispatchers
 from ovs_ext.openflow_stats import config as stats_config
@@ -41,6 +44,7 @@ CONTROLLER_WAIT = 30.0
 # Beside Neutron: how often the app checks its controller is still in the list.
 CONTROLLER_CHECK_EVERY = 5.0
 SHUTDOWN_TIMEOUT = 3.0
+STATS_READ_TIMEOUT = 5.0  # one poll through [offload] stats_socket
 
 
 class OffloadServiceError(exceptions.FlexMigError):
@@ -200,10 +204,34 @@ def prepare(argv: list[str]) -> tuple[cfg.ConfigOpts, Runtime]:
     )
     for match, counters in stale.items():
         control.flows.restore(match, offloaded=counters)
+    take_kept_counters(control, opts.counters_file)
     runtime = Runtime(control, opts.bridge, opts.poll_interval, opts.status_file)
     runtime.datapath_id = datapath_id
     runtime.pipeline = pipeline
+    if opts.stats_socket:
+        runtime.stats_reader = stats_reader.FlowStatsReader(
+            opts.stats_socket, timeout=STATS_READ_TIMEOUT
+        )
     return conf, runtime
+
+
+def take_kept_counters(control: OffloadControl, path: str) -> int:
+    """The counters a clean stop kept (restore.kept_at_stop), taken once: the
+    file goes, so a later crash restart never adds them a second time.  A file
+    that cannot be read restores nothing and is set aside, named in the log."""
+    if not path or not os.path.exists(path):
+        return 0
+    try:
+        with open(path, encoding="utf-8") as handle:
+            kept = restore.from_document(control.flows, json.load(handle))
+    except (OSError, ValueError) as exc:
+        aside = f"{path}.rejected"
+        LOG.error("counters file %s not used (%s); kept as %s", path, exc, aside)
+        os.replace(path, aside)
+        return 0
+    os.unlink(path)
+    LOG.info("counters of %d flows kept by the last clean stop", kept)
+    return kept
 
 
 def neutron_mode(
@@ -274,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         LOG.error("%s", exc)
         rc = 1
     bridge = opts.bridge if opts.configure_bridge else None
-    _shutdown(runtime, endpoint, bridge, target if beside_neutron else None)
+    _shutdown(runtime, endpoint, bridge, target if beside_neutron else None, opts.counters_file)
     logging.shutdown()
     # os-ken's hub threads are not daemons and have no stop: leave without them.
     os._exit(rc)
@@ -321,16 +349,27 @@ def _shutdown(
     endpoint: OpenFlowStatsServer | None,
     bridge: str | None,
     own_controller: str | None = None,
+    counters_file: str = "",
 ) -> None:
-    """Every offloaded flow back to the bridge, the fast path detached, the bridge
-    back to its own NORMAL switching."""
+    """Every offloaded flow back to the bridge, the fast path detached, every
+    flow's counters kept in ``counters_file``, the bridge back to its own NORMAL
+    switching."""
     LOG.info("stopping: flows go back to the bridge")
     runtime.stopping.set()
     control = runtime.control
+    gone = []
     with runtime.lock:
         for port in sorted(control.dispatchers.fast_path_ports):
-            control.port_removed(port)
+            gone += control.port_removed(port)
     app = runtime.app
+    if counters_file:
+        # After the fast path is detached (its flows' packets are the rules' now)
+        # and just before the rules go: the only packets left uncounted are
+        # those in the few milliseconds between this read and the deletion.
+        stats = app.read_rules(SHUTDOWN_TIMEOUT) if app is not None else None
+        if stats is None:
+            LOG.warning("rules not read at stop: counters kept as last polled")
+        keep_counters(runtime, gone, stats or [], counters_file)
     if app is not None and not app.remove_judging_rules(SHUTDOWN_TIMEOUT):
         LOG.warning("bridge did not confirm the removal of the app's rules")
     if endpoint is not None:
@@ -346,6 +385,20 @@ def _shutdown(
             capture_output=True,
             check=False,
         )
+
+
+def keep_counters(runtime: Runtime, gone: list[Any], stats: list[Any], path: str) -> None:
+    app = runtime.app
+    port_name = app.port_names.get if app is not None else {}.get
+    with runtime.lock:
+        kept = restore.kept_at_stop(runtime.control.flows, gone, stats, port_name)
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        write_status(path, restore.counters_document(kept))
+    except OSError as exc:
+        LOG.error("could not keep the counters of %d flows in %s: %s", len(kept), path, exc)
+        return
+    LOG.info("counters of %d flows kept in %s", len(kept), path)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import dataclasses
 import datetime
 import fnmatch
 import json
+import os
 import random
 import time
 from pathlib import Path
@@ -62,11 +63,17 @@ TRANSPORTS = ("qemu-tcp", "mover")
 FAULTS = (
     "kill-src-agent", "kill-dst-agent", "kill-src-mover", "kill-dst-mover", "cut-2s",
     "cut-30s", "restart-src-libvirtd", "restart-dst-libvirtd", "kill-dst-qemu",
+    "fill-dst-store",
 )  # fmt: skip
 POINTS = ("round", "postcopy-switch", "switchover")
 PHASE_TIMEOUT_S = 120.0
 SETTLE_TIMEOUT_S = 180.0
 AGENT_STATE_DIR = "/run/flexmig"  # the agents' state_dir inside a lab host
+# Each host's store is a filesystem of its own (as a VM-dedicated NVMe store
+# would be), small enough to fill: a loop-mounted ext4 image mounted inside the
+# host, never the machine's shared disk.  No reserved blocks: QEMU runs as root.
+STORE_FS_MB = 1024
+FILLER = "campaign-filler"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,13 +90,16 @@ class Cell:
 
 def cells() -> list[Cell]:
     """Every combination that exists: movers only on the mover transport, the
-    postcopy switch only in hybrid postcopy."""
+    postcopy switch only in hybrid postcopy, a store to fill only for guests
+    whose memory is a file in it."""
     found = []
     for mode in MODES:
         for transport in TRANSPORTS:
             for fault in FAULTS:
                 if "mover" in fault and transport != "mover":
                     continue
+                if fault == "fill-dst-store" and MODES[mode] != "file":
+                    continue  # an anonymous-memory guest writes nothing to the store
                 for point in POINTS:
                     if point == "postcopy-switch" and mode != "postcopy":
                         continue
@@ -128,8 +138,9 @@ def render_table(results: dict[str, dict[str, Any]]) -> str:
         "",
         f"Command: `{COMMAND}` (accumulates into `{RESULTS}`; re-run to add runs).",
         f"Target: {TARGET_RUNS} runs per cell; {len(cells())} cells. A run injects the",
-        "fault at the point, repairs it (link up, daemon restarted), follows the",
-        "migration to its end, checks the VM runs on exactly one host, the guest's",
+        "fault at the point, repairs it (link up, daemon restarted; a filled store",
+        "is freed once the migration ended), follows the migration to its end,",
+        "checks the VM runs on exactly one host, the guest's",
         "`verify`, leftovers (split reservation, memory cgroup, mover process/socket/",
         "token, store file on the other host) and that the next migration completes.",
         "",
@@ -207,9 +218,10 @@ class Campaign:
             injected = self.wait_point(agent, mid, cell.point)
         except exceptions.Timeout:
             injected = False
-        if injected:
-            self.inject(cell.fault, src, dst)
+        repair = self.inject(cell.fault, src, dst) if injected else None
         record = self.follow(src, mid)
+        if repair is not None:
+            repair()
         self.budget(dst, FULL_BUDGET_MB)
         return self.check(name, record, src, dst, injected)
 
@@ -238,8 +250,12 @@ class Campaign:
             time.sleep(random.uniform(0.2, 2.0))  # somewhere inside a round
         return record["state"] in ("planning", "running")
 
-    def inject(self, fault: str, src: str, dst: str) -> None:
+    def inject(self, fault: str, src: str, dst: str) -> Any:
+        """Inject ``fault``; a fault that lasts until the migration ends returns
+        its repair (what the operator does afterwards), the others None."""
         host = {"src": self.lab.host(src), "dst": self.lab.host(dst)}
+        if fault == "fill-dst-store":
+            return fill_store(host["dst"])
         side = "src" if "-src-" in fault else "dst"
         if fault.endswith("-agent"):
             host[side].ns.run(["pkill", "-KILL", "-f", "agents.agent.service"], check=False)
@@ -264,6 +280,7 @@ class Campaign:
             host["dst"].ns.run(["pkill", "-KILL", "-f", "qemu-system"], check=False)
         else:
             raise ValueError(fault)
+        return None
 
     def follow(self, src: str, mid: str) -> dict[str, Any]:
         """The migration's end as its source agent reports it (a restarted agent
@@ -358,7 +375,7 @@ class Campaign:
                 group = CGROUP_ROOT / f"lab-{host.name.lower()}" / name
                 if group.exists():
                     found.append(f"memory cgroup {group}")
-                files = list(host.store_dir.rglob(f"*{name}*"))
+                files = list(store_path(host).rglob(f"*{name}*"))
                 if files:
                     found.append(f"store files on {host.name}: {[p.name for p in files[:3]]}")
         return found
@@ -372,6 +389,49 @@ class Campaign:
             restart_agent(self.lab.host(host))
             return [f"agent on {host} not answering after the run ({exc})"]
         return [f"reservation on {host}"] if reservation is not None and host != where else []
+
+
+def store_path(host: Any) -> Path:
+    """The host's store as its own processes see it (its mount, not the disk's)."""
+    return host.ns.root_path(str(host.store_dir))
+
+
+def small_stores(lab: Lab) -> None:
+    """Every host's store on a STORE_FS_MB filesystem of its own, before any guest
+    is made (the mount lives in the host's mount namespace and goes with it)."""
+    for host in lab.hosts():
+        mounts = host.ns.run(["cat", "/proc/self/mounts"]).stdout
+        if f" {host.store_dir} " in mounts:
+            continue
+        image = host.dir / "store.img"
+        image.unlink(missing_ok=True)
+        processutil.run(["truncate", "-s", f"{STORE_FS_MB}M", str(image)])
+        processutil.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)])
+        host.store_dir.mkdir(parents=True, exist_ok=True)
+        host.ns.run(["mount", "-o", "loop", str(image), str(host.store_dir)])
+
+
+def fill_store(host: Any) -> Any:
+    """Take every free block of the host's store (fallocate: instant, no I/O);
+    returns the repair, which frees them."""
+    filler = store_path(host) / FILLER
+    stats = os.statvfs(store_path(host))
+    size = stats.f_bavail * stats.f_frsize
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        while size > 0:  # the extent tree needs blocks too: back off until it fits
+            try:
+                os.posix_fallocate(fd, 0, size)
+                break
+            except OSError:
+                size -= 1 << 20
+    finally:
+        os.close(fd)
+
+    def repair() -> None:
+        filler.unlink(missing_ok=True)
+
+    return repair
 
 
 def restart_agent(host: Any) -> None:
@@ -422,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.budget_min * 60
     lab = Lab()
     lab.up()
+    small_stores(lab)
     campaign = Campaign(lab)
     status = 0
     try:

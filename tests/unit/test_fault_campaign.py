@@ -36,3 +36,12 @@ def test_sessions_take_the_cells_with_the_fewest_runs_first():
     chosen = fc.choose(results, ["*"], 1)
     assert second not in chosen  # done
     assert chosen[-1] == first  # every other cell has 0 runs
+
+
+def test_the_store_is_filled_only_where_guest_memory_is_a_file_in_it():
+    filled = {c.key for c in fc.cells() if c.fault == "fill-dst-store"}
+    assert {k.split("/")[0] for k in filled} == {
+        mode for mode, kind in fc.MODES.items() if kind == "file"
+    }
+    assert "precopy/mover/fill-dst-store/switchover" in filled
+    assert not any(k.startswith("postcopy/") for k in filled)  # anonymous memory

@@ -2,13 +2,15 @@
 
 import json
 import os
+import struct
+import types
 
 import pytest
 from os_ken.ofproto import ofproto_v1_3 as ofp
 from os_ken.ofproto import ofproto_v1_3_parser as ofpp
 from oslo_config import cfg
 
-from ovs_ext import config, flows, neutron, neutron_agent_ext, policy
+from ovs_ext import config, flows, neutron, neutron_agent_ext, openflow, policy, restore
 from ovs_ext.control import OffloadControl
 from ovs_ext.dispatcher import Dispatchers
 from ovs_ext.flows import FlowState
@@ -48,12 +50,34 @@ def test_no_rule_forwards_and_nothing_lands_in_neutrons_tables_but_the_handoff()
     assert {a.table_id for a in learns} == {211}
 
 
-def test_flow_rule_only_counts():
+def test_flow_rule_only_counts_and_notes_its_first_packet():
     match = FlowMatch("tap1", 17, "10.0.0.1", "10.0.0.2", 1000, 5201)
-    mod = PIPELINE.flow_rule(ofpp, ofp, 77, 7, match)
+    mod = PIPELINE.flow_rule(ofpp, ofp, 77, 7, match, 60)
     assert (mod.table_id, mod.priority, mod.cookie) == (210, flows.FLOW_PRIORITY, 77)
-    assert mod.instructions == []
+    (note,) = _actions(mod)  # nothing that forwards, drops or rewrites
+    assert isinstance(note, ofpp.NXActionNote)
+    assert openflow.first_packet(mod.instructions) == FlowCounters(1, 60)
     assert dict(mod.match.items())["udp_dst"] == 5201
+
+
+def test_a_neutron_flow_read_back_after_a_crash_counts_its_first_packet():
+    match = FlowMatch("tap1", 17, "10.0.0.1", "10.0.0.2", 1000, 5201)
+    mod = PIPELINE.flow_rule(ofpp, ofp, flows.flow_cookie(4), 7, match, 60)
+    mod.datapath = types.SimpleNamespace(ofproto=ofp, ofproto_parser=ofpp)
+    mod.serialize()  # through the wire format, as OVS would hand it back
+    back = ofpp.OFPFlowMod.parser(mod.datapath, *_header(mod.buf), bytes(mod.buf))
+    stat = types.SimpleNamespace(
+        cookie=back.cookie, match=back.match, packet_count=9, byte_count=540,
+        instructions=back.instructions,
+    )  # fmt: skip
+    manager = flows.FlowManager()
+    assert restore.from_rules(manager, [stat], {7: "tap1"}.get) == 1
+    assert manager.restored()[match][0] == FlowCounters(10, 600)
+
+
+def _header(buf):
+    version, msg_type, length, xid = struct.unpack_from("!BBHI", bytes(buf))
+    return version, msg_type, length, xid
 
 
 def test_set_controller_id_is_the_nicira_message():

@@ -1,11 +1,14 @@
 """Counters read back after a bridge reconnection or a service restart go on."""
 
+import dataclasses
+import json
 import types
 
+import pytest
 from os_ken.ofproto import ofproto_v1_3 as ofp
 from os_ken.ofproto import ofproto_v1_3_parser as parser
 
-from ovs_ext import flows, openflow, policy, restore
+from ovs_ext import flows, openflow, policy, restore, service
 from ovs_ext.flows import FlowManager
 from ovs_ext.providers.base import FlowCounters, FlowMatch
 
@@ -73,3 +76,73 @@ def test_rules_flushed_by_the_reconnection_leave_the_polled_part():
     restore.from_forgotten(manager, [flow])
     restore.from_rules(manager, [], PORTS.get)
     assert seen_again(manager).total == FlowCounters(5, 300)
+
+
+# -- a clean stop: the counters file ---------------------------------------------------
+OTHER = FlowMatch("tap0", 17, "10.0.0.1", "10.0.0.2", 4001, 5000)
+UNSEEN = FlowMatch("tap0", 6, "10.0.0.1", "10.0.0.3", 4002, 80)
+
+
+def test_a_clean_stop_keeps_every_flow_and_the_next_start_goes_on_from_there():
+    manager = FlowManager()
+    manager.restore(UNSEEN, onloaded=FlowCounters(4, 400))  # an earlier run's, not seen since
+    onloaded = seen_again(manager)  # still tracked at the stop; its rule counted on since
+    onloaded.packet_in, onloaded.rule = FlowCounters(1, 60), FlowCounters(5, 300)
+    offloaded = manager.add(
+        OTHER, owner="tap0", direction=policy.Direction.EGRESS, out_port=None,
+        setup=policy.decide_at_setup(policy.Policy(), OTHER, "tap0", policy.Direction.EGRESS),
+    )  # fmt: skip
+    offloaded.packet_in, offloaded.offload_done = FlowCounters(1, 60), FlowCounters(90, 5400)
+    gone = [manager.forget(OTHER)]  # the stop detached its port's fast path
+    rule = openflow.flow_rule(parser, ofp, flows.flow_cookie(onloaded.flow_id), 3, MATCH, 60)
+    final_read = [stat(flows.flow_cookie(onloaded.flow_id), 7, 420, rule.instructions)]
+
+    doc = restore.counters_document(restore.kept_at_stop(manager, gone, final_read, PORTS.get))
+    next_run = FlowManager()
+    assert restore.from_document(next_run, json.loads(json.dumps(doc))) == 3
+    again = seen_again(next_run)
+    assert again.total == FlowCounters(1 + 7, 60 + 420)  # the final read, not the poll's 5
+    restored = next_run.restored()
+    assert restored[OTHER][0] + restored[OTHER][1] + restored[OTHER][2] == FlowCounters(91, 5460)
+    assert restored[UNSEEN][1] == FlowCounters(4, 400)
+
+
+@pytest.mark.parametrize(
+    "doc",
+    [
+        [],
+        {"version": 2, "flows": []},
+        {"version": 1, "flows": {}},
+        {"version": 1, "flows": [{"match": {"in_port": "tap0"}}]},
+        {"version": 1, "flows": [{"match": dataclasses.asdict(MATCH), "ruled": [1, 60],
+                                  "onloaded": [-1, 0], "offloaded": [0, 0]}]},
+        {"version": 1, "flows": [{"match": dataclasses.asdict(MATCH), "ruled": [True, 60],
+                                  "onloaded": [0, 0], "offloaded": [0, 0]}]},
+        {"version": 1, "flows": [{"match": {**dataclasses.asdict(MATCH), "ip_proto": 1},
+                                  "ruled": [1, 60], "onloaded": [0, 0], "offloaded": [0, 0]}]},
+    ],
+)  # fmt: skip
+def test_a_malformed_counters_file_restores_nothing(doc):
+    good = {"match": dataclasses.asdict(OTHER), "ruled": [1, 60], "onloaded": [0, 0],
+            "offloaded": [0, 0]}  # fmt: skip
+    if isinstance(doc, dict) and isinstance(doc.get("flows"), list):
+        doc["flows"].insert(0, good)  # a good entry before the bad one is not restored either
+    manager = FlowManager()
+    with pytest.raises(ValueError):
+        restore.from_document(manager, doc)
+    assert manager.restored() == {}
+
+
+def test_the_service_takes_the_kept_counters_once_and_sets_a_bad_file_aside(tmp_path):
+    control = types.SimpleNamespace(flows=FlowManager())
+    path = tmp_path / "counters.json"
+    kept = {MATCH: (FlowCounters(2, 120), FlowCounters(), FlowCounters(3, 180))}
+    path.write_text(json.dumps(restore.counters_document(kept)))
+    assert service.take_kept_counters(control, str(path)) == 1
+    assert not path.exists()  # once: a later crash restart must not add them again
+    assert service.take_kept_counters(control, str(path)) == 0
+    assert seen_again(control.flows).total == FlowCounters(5, 300)
+    path.write_text("{not json")
+    assert service.take_kept_counters(control, str(path)) == 0
+    assert (tmp_path / "counters.json.rejected").read_text() == "{not json"
+    assert not path.exists()
