@@ -129,11 +129,13 @@ def plan(
     fabric = None
     if opts.bandwidth_probe_mib:
         fabric = agent.probe_bandwidth(opts.bandwidth_probe_mib)
+    dest_facts = _destination_facts(agent)
     dest = planner.DestinationFacts(
         free_for_vms_bytes=offer.free_for_vms_bytes,
         store_free_bytes=offer.store_free_bytes,
         split_reserved=offer.split_budget_bytes is not None,
-        software=_destination_software(agent),
+        software=HostSoftware.from_facts(dest_facts),
+        store_shares_libvirt_fs=dest_facts.get("store_shares_libvirt_fs"),
     )
     try:
         source = planner.SourceFacts(facts.host_software(conn, host), facts.idle_cpus())
@@ -143,13 +145,14 @@ def plan(
     return planner.plan(request, vm, dest, link, opts, source=source)
 
 
-def _destination_software(agent: AgentClient) -> HostSoftware:
-    """The destination's libvirt and QEMU (unknown when its agent cannot say: the
-    knobs that need both ends are then left out, and explain says why)."""
+def _destination_facts(agent: AgentClient) -> dict[str, Any]:
+    """The destination agent's facts ({} when it cannot say: its libvirt and QEMU
+    are then unknown, the knobs that need both ends are left out, and explain
+    says why)."""
     try:
-        return HostSoftware.from_facts(agent.get("/v1/facts"))
+        return dict(agent.get("/v1/facts"))
     except exceptions.FlexMigError:
-        return HostSoftware()
+        return {}
 
 
 def scoped_credential(key: bytes, migration_id: str, vm: str, expires: float) -> tuple[str, str]:

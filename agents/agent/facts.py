@@ -10,7 +10,8 @@ import libvirt
 
 from flexmig import hypervisor
 from flexmig.migration import facts as migration_facts
-from flexmig.migration.facts import filesystem_of
+from flexmig.migration import writeback
+from flexmig.migration.facts import filesystem_of, same_filesystem
 from flexmig.migration.knobs import HostSoftware
 
 MIB = 2**20
@@ -76,6 +77,9 @@ def host_facts(
         "store_capacity_bytes": st.f_blocks * st.f_frsize,
         "store_free_bytes": st.f_bavail * st.f_frsize,
         "store_write_bps": store_bps,
+        # libvirt fsyncs the domain it persists here before resuming an incoming
+        # guest: on a shared ext4 that waits for the guest memory's writeback.
+        "store_shares_libvirt_fs": same_filesystem(store_dir, writeback.LIBVIRT_CONFIG_DIR),
         "memory_cgroup": memory_cgroup,
         "measured_links": links,
         # What the knobs of a migration to or from here may use (knobs.FEATURES).

@@ -93,6 +93,14 @@ def filesystem_of(path: str, mounts: str = "/proc/self/mounts") -> str | None:
     return fs
 
 
+def same_filesystem(path_a: str, path_b: str) -> bool | None:
+    """Whether two paths live on one filesystem (None: either is missing)."""
+    try:
+        return os.stat(path_a).st_dev == os.stat(path_b).st_dev
+    except OSError:
+        return None
+
+
 def declared_backing(xml: str) -> tuple[str, bool]:
     """(backing kind, has a passthrough device) from a libvirt domain definition.
 

@@ -14,7 +14,7 @@ import math
 from typing import Any
 
 from flexmig import exceptions
-from flexmig.migration import downtime, knobs
+from flexmig.migration import downtime, knobs, writeback
 from flexmig.migration.facts import PAGE, GuestMemory, VmFacts
 from flexmig.migration.knobs import HostSoftware, Knobs
 from flexmig.migration.options import EngineOptions
@@ -31,6 +31,10 @@ UNKNOWN_SOFTWARE = HostSoftware()
 NO_KNOBS = Knobs()
 
 
+def _optional_bool(value: Any) -> bool | None:
+    return None if value is None else bool(value)
+
+
 @dataclasses.dataclass(frozen=True)
 class DestinationFacts:
     free_for_vms_bytes: int
@@ -42,6 +46,8 @@ class DestinationFacts:
     store_write_bps: float = 0.0  # the split store's measured write rate; 0: unknown
     memory_cgroup: str = ""  # how the destination caps a split VM's residency
     software: HostSoftware = UNKNOWN_SOFTWARE  # its libvirt and QEMU
+    # Its memory_backing_dir on the filesystem of /etc/libvirt (None: not reported).
+    store_shares_libvirt_fs: bool | None = None
 
     @classmethod
     def from_agent(cls, facts: dict[str, Any]) -> DestinationFacts:
@@ -53,6 +59,7 @@ class DestinationFacts:
                 store_write_bps=float(facts.get("store_write_bps") or 0.0),
                 memory_cgroup=str((facts.get("memory_cgroup") or {}).get("detail") or ""),
                 software=HostSoftware.from_facts(facts),
+                store_shares_libvirt_fs=_optional_bool(facts.get("store_shares_libvirt_fs")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise exceptions.BackendError(
@@ -301,4 +308,7 @@ def plan(
         features=features,
         hosts=(source.software, dest.software),
         guest_downtime=forecast,
+        notes=tuple(
+            writeback.notes(mem.file_backed, dest.software.qemu, dest.store_shares_libvirt_fs)
+        ),
     )

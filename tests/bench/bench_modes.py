@@ -33,7 +33,7 @@ from pathlib import Path
 import libvirt
 
 from flexmig import exceptions, migrate_cli
-from flexmig_lab import image, vm
+from flexmig_lab import emulator, image, vm
 from flexmig_lab.lab import Lab
 
 BANDWIDTH_MIB = 100
@@ -291,8 +291,9 @@ def main() -> None:
 
 
 def _lab_qemu_version() -> str:
-    marker = image.cache_dir() / "qemu" / "unpacked"
-    return marker.read_text().strip() if marker.exists() else "unknown"
+    qemu = emulator.lab_qemu()
+    version = emulator.installed_version(image.cache_dir(), qemu) or "unknown"
+    return version + (" (trixie's, through its own loader)" if qemu.foreign else "")
 
 
 if __name__ == "__main__":

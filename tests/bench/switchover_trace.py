@@ -1,13 +1,14 @@
 """Where a switchover's time goes: QEMU's own downtime checkpoints per run.
 
-Runs FlexMig migrations A->B of a moderate anonymous VM (mode precopy) and of a
-file-backed VM on a short destination (mode split), with the lab's QEMU trace
-events on, and reads from each host's QEMU log: the source's last byte
+Runs FlexMig migrations A->B of a moderate anonymous VM (mode precopy), of a
+file-backed VM to a destination with enough RAM (precopy) and of the same VM
+to a short destination (mode split), with the lab's QEMU trace events on, and
+reads from each host's QEMU log: the source's last byte
 (``src-non-iterable-saved``), the destination's load completion
 (``dst-precopy-loadvm-completed``) and the source's end of downtime, beside
 libvirt's downtime and the guest's heartbeat gap across the switchover.
 
-    .venv/bin/python -m tests.bench.switchover_trace [--runs 2]
+    [FLEXMIG_LAB_QEMU=trixie] .venv/bin/python -m tests.bench.switchover_trace [--runs 2]
 """
 
 from __future__ import annotations
@@ -22,11 +23,14 @@ from pathlib import Path
 from flexmig import migrate_cli
 from flexmig_lab import vm
 from flexmig_lab.lab import Lab
+from tests.bench.bench_modes import _lab_qemu_version
 
 OUT = Path("docs/benchmarks/switchover.md")
+SPLIT_BUDGET_MIB = 384  # 75 % of the guest, as bench_split's split-75
 CHECKPOINT_RE = re.compile(r"@(\d+\.\d+):vmstate_downtime_checkpoint (\S+)")
 CASES = {
     "moderate precopy": dict(workload="dirtier:wss=128M,rate=4000", memory_backing="anonymous"),
+    "file-backed precopy": dict(workload="dirtier:wss=200M,rate=2000", memory_backing="file"),
     "short-dest split": dict(workload="dirtier:wss=200M,rate=2000", memory_backing="file"),
 }
 
@@ -42,9 +46,9 @@ def one(lab: Lab, case: str, index: int) -> str:
     vm.create(lab, "A", name=name, ram="512M", **CASES[case])
     try:
         if case.endswith("split"):
-            lab.set_budget("B", 400)
+            lab.set_budget("B", SPLIT_BUDGET_MIB)
         time.sleep(3)  # the guest's working set dirtied, as in bench_modes
-        mode = case.split()[-1]
+        mode = case.split()[-1]  # "file-backed precopy" -> precopy
         r = migrate_cli.migrate(lab, name, "B", mode=mode, show=False, bandwidth_mib=100)
         src, dst = checkpoints(lab, "A", name), checkpoints(lab, "B", name)
         last_byte = src["src-non-iterable-saved"]
@@ -63,6 +67,7 @@ def one(lab: Lab, case: str, index: int) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
     os.environ["FLEXMIG_LAB_QEMU_TRACE"] = "vmstate_downtime_checkpoint"
     lab = Lab()
@@ -75,14 +80,19 @@ def main() -> int:
                 print(rows[-1], flush=True)
     finally:
         lab.down()
+    qemu_env = os.environ.get("FLEXMIG_LAB_QEMU")
     lines = [
         f"# Where the switchover's time goes ({datetime.date.today()})",
         "",
-        "Command: `.venv/bin/python -m tests.bench.switchover_trace"
-        + (f" --runs {args.runs}`" if args.runs != 2 else "`"),
+        "Command: `"
+        + (f"FLEXMIG_LAB_QEMU={qemu_env} " if qemu_env else "")
+        + ".venv/bin/python -m tests.bench.switchover_trace"
+        + (f" --runs {args.runs}" if args.runs != 2 else "")
+        + (f" --out {args.out}`" if args.out != OUT else "`"),
         "",
-        "FlexMig migrations A->B, 512 MiB TCG guests, stream capped at 100 MiB/s, QEMU 10.0 "
-        "with its `vmstate_downtime_checkpoint` trace events; split: B offers 400 MiB. "
+        f"FlexMig migrations A->B, 512 MiB TCG guests, stream capped at 100 MiB/s, QEMU "
+        f"{_lab_qemu_version()} with its `vmstate_downtime_checkpoint` trace events; split: B "
+        f"offers {SPLIT_BUDGET_MIB} MiB. Load average at the end {os.getloadavg()[0]:.1f}. "
         "Columns in ms: libvirt's downtime; the guest's heartbeat gap across the switchover; "
         "source stop to its last byte; last byte to the destination's load completion; that "
         "to the source's end of downtime (the destination's msync of file-backed RAM and its "
@@ -93,7 +103,7 @@ def main() -> int:
         "|---|---|---|---|---|---|---|---|",
         *rows,
     ]
-    OUT.write_text("\n".join(lines) + "\n")
+    args.out.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 import uuid
@@ -27,6 +28,18 @@ PRIVATE_DIRS = {
     "/var/lib/openvswitch": "lib-openvswitch",
     "/var/log/openvswitch": "log-openvswitch",
 }
+
+
+STORE_ENV = "FLEXMIG_LAB_STORE"
+OWN_STORE_FS_MB = 16384  # sparse: blocks are used only as guests write
+
+
+def store_on_own_filesystem() -> bool:
+    """``FLEXMIG_LAB_STORE=own-fs``: each host's store on its own filesystem."""
+    choice = os.environ.get(STORE_ENV, "shared")
+    if choice not in ("shared", "own-fs"):
+        raise exceptions.InvalidInput(what=STORE_ENV, reason=f"{choice!r}: 'shared' or 'own-fs'")
+    return choice == "own-fs"
 
 
 class LabHost:
@@ -65,6 +78,8 @@ class LabHost:
         binds["/etc/hosts"] = str(self.dir / "hosts")
         binds.update(emulator.host_binds(image.cache_dir()))
         self.ns.start(self.spec.hostname, binds)
+        if store_on_own_filesystem():
+            self._mount_own_store()
         self._start_ovs()
         self._start_libvirt()
         self.start_agent()
@@ -111,6 +126,18 @@ class LabHost:
             what=f"flexmig-agent on {self.name} to stop",
         )
         self.agent_socket.unlink(missing_ok=True)
+
+    def _mount_own_store(self) -> None:
+        """The store on a filesystem of its own (a sparse ext4 image), as a compute
+        host with a dedicated memory_backing_dir has it: libvirt's fsync of its own
+        files then never waits for guest memory's writeback (ext4 data=ordered
+        commits the whole filesystem's journal, with the data it orders)."""
+        image = self.dir / "store.img"
+        image.unlink(missing_ok=True)
+        processutil.run(["truncate", "-s", f"{OWN_STORE_FS_MB}M", str(image)])
+        processutil.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], timeout=120)
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self.ns.run(["mount", "-o", "loop", str(image), str(self.store_dir)])
 
     def _prepare_dirs(self) -> None:
         first_time = not (self.dir / "etc-libvirt").exists()

@@ -1,0 +1,69 @@
+"""What a destination makes a file-backed guest wait for at switchover, in the plan."""
+
+from __future__ import annotations
+
+import os
+
+from flexmig.migration import planner, writeback
+from flexmig.migration.facts import same_filesystem
+from flexmig.migration.knobs import HostSoftware
+from flexmig.migration.options import EngineOptions
+from flexmig.migration.request import MigrationRequest
+from tests.unit.engine_fakes import MIB, vm_facts
+
+UNFIXED_QEMU = HostSoftware(libvirt=9_000_000, qemu=10_000_002)
+FIXED_QEMU = HostSoftware(libvirt=9_000_000, qemu=10_000_013)
+
+
+def _notes(file_backed: bool, software: HostSoftware, shares: bool | None) -> tuple[str, ...]:
+    dest = planner.DestinationFacts(
+        4096 * MIB, 8192 * MIB, software=software, store_shares_libvirt_fs=shares
+    )
+    vm = vm_facts(file_backed=file_backed)
+    plan = planner.plan(
+        MigrationRequest(vm="vm"),
+        vm,
+        dest,
+        planner.LinkFacts(fabric_bps=300 * MIB),
+        EngineOptions(),
+    )
+    assert all(f"note: {n}" in plan.explain() for n in plan.notes)
+    return plan.notes
+
+
+def test_a_file_backed_guest_is_told_what_the_destination_adds_to_its_downtime():
+    notes = _notes(True, UNFIXED_QEMU, True)
+    assert len(notes) == 2
+    assert "before 10.0.3" in notes[0] and "update QEMU" in notes[0]
+    assert "/etc/libvirt" in notes[1] and "filesystem of its own" in notes[1]
+
+
+def test_nothing_is_said_where_nothing_is_added():
+    assert _notes(True, FIXED_QEMU, False) == ()
+    assert _notes(True, HostSoftware(), None) == ()  # an older agent: unknown, not alarming
+    assert _notes(False, UNFIXED_QEMU, True) == ()  # anonymous memory: no file to write
+
+
+def test_the_7_2_stable_branch_has_the_fix_from_7_2_19():
+    assert writeback.qemu_syncs_file_ram(7_002_018) is True
+    assert writeback.qemu_syncs_file_ram(7_002_019) is False
+
+
+def test_the_agent_reports_whether_its_store_shares_libvirts_filesystem(tmp_path):
+    store, config = tmp_path / "store", tmp_path / "etc-libvirt"
+    store.mkdir()
+    config.mkdir()
+    assert same_filesystem(str(store), str(config)) is True
+    assert same_filesystem(str(store), str(tmp_path / "missing")) is None
+    if os.stat("/proc").st_dev != os.stat(str(store)).st_dev:
+        assert same_filesystem(str(store), "/proc") is False
+    facts = planner.DestinationFacts.from_agent(
+        {"free_for_vms_bytes": 1, "store_free_bytes": 1, "store_shares_libvirt_fs": True}
+    )
+    assert facts.store_shares_libvirt_fs is True
+    assert (
+        planner.DestinationFacts.from_agent(
+            {"free_for_vms_bytes": 1, "store_free_bytes": 1}
+        ).store_shares_libvirt_fs
+        is None
+    )
