@@ -115,11 +115,18 @@ class MoverProcess:
         self.token_file.unlink(missing_ok=True)
         self.ready_file.unlink(missing_ok=True)
         if rc != 0:
+            self.stats_file.unlink(missing_ok=True)
             raise exceptions.BackendError(
                 backend="mover",
                 reason=f"exited with {rc}: {self.log_file.read_text(errors='replace')[-300:]}",
             )
-        return json.loads(self.stats_file.read_text())
+        # Read once, then gone: the stats file is a hand-over, not a record (the
+        # log is kept); every completed migration left both ends' behind (found
+        # by the fault campaign).
+        try:
+            return json.loads(self.stats_file.read_text())
+        finally:
+            self.stats_file.unlink(missing_ok=True)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -129,6 +136,7 @@ class MoverProcess:
         # (found by the fault campaign's killed-mover cell).
         self.token_file.unlink(missing_ok=True)
         self.ready_file.unlink(missing_ok=True)
+        self.stats_file.unlink(missing_ok=True)
 
 
 class MoverSet:

@@ -19,8 +19,11 @@ not judged yet, or one on the source that still steered the flow to a port
 that is gone.  Both are measured per run from the sender's own stamps:
 
 - ``lost``: numbers that never arrived (the guest's sink, per packet);
-- ``outage_ms``: send time of the first datagram delivered after the longest
-  gap minus that of the last one before it (sender clock = every namespace's);
+- ``gap_packets``: those lost in the move's own gap (the one straddling QEMU's
+  resume; ``other_lost``: any elsewhere, e.g. a stalled sender's burst dropped by
+  its own host's vSwitch, which happens in either case on a loaded machine);
+- ``outage_ms``: send time of the first datagram delivered after that gap minus
+  that of the last one before it (sender clock = every namespace's);
 - ``first_after_resume_s``: that first delivered datagram's send time minus the
   moment the destination's agent saw the VM run (it polls every 100 ms, so
   this may be negative by up to that much);
@@ -83,23 +86,42 @@ def start_inbound(guest: vm.LabVM, sender: endpoints.Endpoint, sport: int, secon
     )  # fmt: skip
 
 
-def longest_jump(got: dict) -> dict | None:
-    """The gap of the move: the longest forward jump of the numbers, as it arrived.
+# A datagram sent this close to the resume may still be the first one after it (in
+# flight as the announcement lands) or the last one before it.
+STRADDLE_NS = 50_000_000
 
-    >>> longest_jump({"jumps": [{"gap": 2}, {"gap": 180}, {"gap": 1}]})
-    {'gap': 180}
-    >>> longest_jump({"jumps": []}) is None
+
+def switchover_jump(jumps: list[dict], resumed_at: float | None) -> dict | None:
+    """The gap of the move: the jump whose edges straddle the VM's resume (the
+    last datagram before it sent before, the first after it sent after).  Other
+    gaps are not the move's: a sender on a busy host that stalls and then catches
+    up in a burst can lose the burst in its own vSwitch, in either case.  Without a
+    resume time, or with no jump straddling it, the longest one.
+
+    >>> j = [{"gap": 130, "before_ns": 1_00_000_000, "after_ns": 1_10_000_000},
+    ...      {"gap": 40, "before_ns": 2_000_000_000, "after_ns": 2_041_000_000}]
+    >>> switchover_jump(j, 2.040)["gap"], switchover_jump(j, None)["gap"]
+    (40, 130)
+    >>> switchover_jump([], 1.0) is None
     True
     """
-    jumps = got.get("jumps") or []
-    return max(jumps, key=lambda j: j["gap"]) if jumps else None
+    if not jumps:
+        return None
+    longest = max(jumps, key=lambda j: j["gap"])
+    if resumed_at is None:
+        return longest
+    at = resumed_at * 1e9
+    straddling = [
+        j for j in jumps
+        if j["before_ns"] <= at + STRADDLE_NS and j["after_ns"] >= at - STRADDLE_NS
+    ]  # fmt: skip
+    return max(straddling, key=lambda j: j["gap"]) if straddling else longest
 
 
 def convergence(
     got: dict, resumed: float | None, frames: list[announce.Frame], mac: str, tap: str
 ) -> dict[str, Any]:
     """Outage and convergence times of one move (see the module's docstring)."""
-    jump = longest_jump(got)
     on_tap = out = None
     if resumed is not None:
         # QEMU announces as the VM resumes; the agent sees it run up to a poll later.
@@ -108,6 +130,8 @@ def convergence(
         out = announce.first_announcement(
             frames, mac, since, ifname=topology.HOST_TENANT_IF, outgoing=True
         )
+    # QEMU's first announcement is its resume; the agent's view is a poll later.
+    jump = switchover_jump(got.get("jumps") or [], on_tap.at if on_tap else resumed)
     after = jump["after_ns"] / 1e9 if jump and jump["after_ns"] else None
     before = jump["before_ns"] / 1e9 if jump and jump["before_ns"] else None
 
@@ -115,7 +139,8 @@ def convergence(
         return round(t - to, 4) if t is not None and to is not None else None
 
     return {
-        "gap_packets": jump["gap"] if jump else 0,
+        "gap_packets": jump["gap"] if jump else 0,  # lost in the move's own gap
+        "other_lost": got["missing"] - (jump["gap"] if jump else 0),
         "outage_ms": round((after - before) * 1000, 1) if after and before else None,
         "first_after_resume_s": rel(after, resumed),
         "first_after_rarp_s": rel(after, on_tap.at if on_tap else None),

@@ -216,14 +216,15 @@ def outbound_rows(runs: list[dict]) -> list[str]:
 
 def inbound_rows(runs: list[dict]) -> list[str]:
     lines = [
-        "| case | runs | lost packets med / max | outage ms (last before -> first after "
-        "the gap, sender's stamps) med / max | QEMU downtime ms med / max "
+        "| case | runs | lost packets med / max | lost in the move's gap med / max "
+        "| outage ms (last before -> first after the gap, sender's stamps) med / max "
+        "| QEMU downtime ms med / max "
         "| outage beyond downtime ms med / max | first packet at the VM after resume s "
         "med / max | first packet after QEMU's first RARP s med / max "
         "| RARP on dest tap after resume s med / max | RARP out of dest bridge after resume "
         "s med / max | re-offload after resume s med / max | re-offload after QEMU's first "
         "RARP s med / max | received <= dest total <= sent | duplicates |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case in CASES:
         rs = [r for r in runs if r["case"] == case and r["state"] == "completed"]
@@ -244,6 +245,7 @@ def inbound_rows(runs: list[dict]) -> list[str]:
         )
         lines.append(
             f"| {case} | {len(rs)} | {statistics.median(lost):.0f} / {max(lost)} "
+            f"| {_med_max([r['gap_packets'] for r in rs], '.0f')} "
             f"| {_med_max([r['outage_ms'] for r in rs], '.1f')} "
             f"| {_med_max([r['downtime_ms'] for r in rs], '.0f')} "
             f"| {_med_max(beyond, '.1f')} "
@@ -275,7 +277,7 @@ def beyond_difference(runs: list[dict]) -> str:
     medians = {}
     for case in CASES:
         beyond = [
-            r["lost"] - r["downtime_ms"] * offload_inbound.RATE_IN / 1000
+            r["gap_packets"] - r["downtime_ms"] * offload_inbound.RATE_IN / 1000
             for r in runs
             if r["case"] == case and r["state"] == "completed" and r["downtime_ms"] is not None
         ]
@@ -313,8 +315,8 @@ def table(runs: list[dict], command: str) -> str:
         "",
         *inbound_rows(inb),
         "",
-        f"Loss ratio offloaded / onloaded (medians): {loss_ratio(inb)}; packets lost "
-        f"beyond each move's own QEMU downtime at {offload_inbound.RATE_IN} pps, offloaded "
+        f"Loss ratio offloaded / onloaded (medians): {loss_ratio(inb)}; packets lost in "
+        f"the move's gap beyond its own QEMU downtime at {offload_inbound.RATE_IN} pps, offloaded "
         f"minus onloaded (medians): {beyond_difference(inb)}.",
     ]
     failed = [r for r in runs if r["state"] != "completed"]

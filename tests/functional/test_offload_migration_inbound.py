@@ -123,8 +123,12 @@ def check_converged(run):
 
 
 def beyond_downtime(run):
-    """Packets lost beyond what QEMU's own downtime loses at the sender's rate."""
-    return run["lost"] - run["downtime_ms"] * inbound.RATE_IN / 1000
+    """Packets lost in the move's gap beyond what QEMU's own downtime loses at the
+    sender's rate.  Only the move's gap: a sender on the busy third host that
+    stalls and catches up in a burst may lose it in that host's own vSwitch, in
+    either case (seen: 131 such in an onloaded move, its destination total short
+    of the sent count by as many: they never reached the VM's hosts)."""
+    return run["gap_packets"] - run["downtime_ms"] * inbound.RATE_IN / 1000
 
 
 def test_inbound_flow_follows_the_vm_counted_once_and_loses_no_more_offloaded(lab3):

@@ -373,6 +373,7 @@ def test_app_survives_a_restart_of_neutrons_agent(real):
     # and deletes, in its tables, every rule whose cookie it did not reserve:
     # the app's hand-off rules in table 0 among them.
     cleanups = agent.cleanups()
+    deleted_before = agent.log.read_text(errors="replace").count("Deleting flow with cookie 0xf1e")
     agent.stop()
     agent.start()
     agent.wait_ready(list(ofports.values()), after=cleanups)
@@ -382,6 +383,9 @@ def test_app_survives_a_restart_of_neutrons_agent(real):
         return out.count("priority=65000") >= 3 or None
 
     processutil.wait_for(handoffs_back, timeout=15, interval=0.2, what="hand-off rules re-added")
+    # They were Neutron's to delete: the restarted agent's cleanup took them.
+    deleted = agent.log.read_text(errors="replace").count("Deleting flow with cookie 0xf1e")
+    assert deleted > deleted_before, agent.tail()
     controllers = vsctl(host, "get-controller", "br-int").split()
     assert NEUTRON_CONTROLLER in controllers and len(controllers) == 2, controllers
     # Neutron's rules are its own again (a new cookie, the same rules).

@@ -181,6 +181,9 @@ def test_parallel_connections_each_ride_their_own_mover_pair(mover, tmp_path):
         receivers.kill()
         server.join(60)
     assert sorted(received) == sorted(payloads)  # each connection intact, none merged
+    # Only the logs stay: tokens, ready and stats files are gone on both ends.
+    left = sorted(p.suffix for d in (tmp_path, dest_dir) for p in d.glob("mover-*"))
+    assert set(left) == {".log"}, left
     assert sent["streams"] == got["streams"] == streams
     assert got["bytes"] == sum(len(p) for p in payloads)
     assert sorted(got["stream_bytes"]) == sorted(len(p) for p in payloads)
