@@ -398,17 +398,9 @@ def store_path(host: Any) -> Path:
 
 def small_stores(lab: Lab) -> None:
     """Every host's store on a STORE_FS_MB filesystem of its own, before any guest
-    is made (the mount lives in the host's mount namespace and goes with it)."""
+    is made (a host whose store already has one keeps it)."""
     for host in lab.hosts():
-        mounts = host.ns.run(["cat", "/proc/self/mounts"]).stdout
-        if f" {host.store_dir} " in mounts:
-            continue
-        image = host.dir / "store.img"
-        image.unlink(missing_ok=True)
-        processutil.run(["truncate", "-s", f"{STORE_FS_MB}M", str(image)])
-        processutil.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)])
-        host.store_dir.mkdir(parents=True, exist_ok=True)
-        host.ns.run(["mount", "-o", "loop", str(image), str(host.store_dir)])
+        host.mount_own_store(STORE_FS_MB)
 
 
 def fill_store(host: Any) -> Any:

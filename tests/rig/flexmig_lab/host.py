@@ -79,7 +79,7 @@ class LabHost:
         binds.update(emulator.host_binds(image.cache_dir()))
         self.ns.start(self.spec.hostname, binds)
         if store_on_own_filesystem():
-            self._mount_own_store()
+            self.mount_own_store(OWN_STORE_FS_MB)
         self._start_ovs()
         self._start_libvirt()
         self.start_agent()
@@ -127,14 +127,18 @@ class LabHost:
         )
         self.agent_socket.unlink(missing_ok=True)
 
-    def _mount_own_store(self) -> None:
-        """The store on a filesystem of its own (a sparse ext4 image), as a compute
-        host with a dedicated memory_backing_dir has it: libvirt's fsync of its own
-        files then never waits for guest memory's writeback (ext4 data=ordered
-        commits the whole filesystem's journal, with the data it orders)."""
+    def mount_own_store(self, size_mb: int) -> None:
+        """The store on a filesystem of its own (a sparse ext4 image of ``size_mb``),
+        as a compute host with a dedicated memory_backing_dir has it: libvirt's fsync
+        of its own files then never waits for guest memory's writeback (ext4
+        data=ordered commits the whole filesystem's journal, with the data it
+        orders).  The mount lives in the host's mount namespace and goes with it;
+        a store already on its own filesystem is left as it is."""
+        if f" {self.store_dir} " in self.ns.run(["cat", "/proc/self/mounts"]).stdout:
+            return
         image = self.dir / "store.img"
         image.unlink(missing_ok=True)
-        processutil.run(["truncate", "-s", f"{OWN_STORE_FS_MB}M", str(image)])
+        processutil.run(["truncate", "-s", f"{size_mb}M", str(image)])
         processutil.run(["mkfs.ext4", "-q", "-F", "-m", "0", str(image)], timeout=120)
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.ns.run(["mount", "-o", "loop", str(image), str(self.store_dir)])
