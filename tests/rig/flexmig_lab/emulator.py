@@ -282,7 +282,10 @@ def host_binds(cache: Path) -> dict[str, str]:
         if not (cache / backport.name / "unpacked").exists():
             raise exceptions.MissingPrerequisite(
                 what=f"the lab's {backport.name} in {root}",
-                hint="run 'flexmig-lab image build' (setup does)",
+                # setup builds what the environment asks for: FLEXMIG_LAB_QEMU and
+                # FLEXMIG_LAB_LIBVIRT choose builds it does not fetch by default.
+                hint=f"run 'flexmig-lab image build' with the same {QEMU_ENV} and "
+                f"{LIBVIRT_ENV} (setup does, with them set)",
             )
         binds.update({"/" + rel: str(root / rel) for rel in backport.host_paths})
         if backport.foreign:
