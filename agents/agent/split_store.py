@@ -20,6 +20,7 @@ Sequence for an incoming split VM:
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import logging
 import os
@@ -216,6 +217,21 @@ KEEPER_FIND_TIMEOUT_S = 120.0  # how long an incoming QEMU may take to appear
 LIBVIRT_PID_DIR = Path("/run/libvirt/qemu")
 
 
+@dataclasses.dataclass(frozen=True)
+class _Marks:
+    target: int  # drop once the charge is above this (the cap less the headroom)
+    low: int  # ... down to this, so the next interval's stream lands in free room
+
+
+@dataclasses.dataclass
+class _Chunks:
+    """What the keeper remembers of each 1 MiB chunk between intervals."""
+
+    ages: list[int]
+    dropped: set[int] = dataclasses.field(default_factory=set)
+    written: set[int] = dataclasses.field(default_factory=set)  # written back at least once
+
+
 class ResidencyKeeper(threading.Thread):
     """Keeps a split VM's charge under its cap by writing back and dropping cold chunks.
 
@@ -259,42 +275,48 @@ class ResidencyKeeper(threading.Thread):
         return None
 
     def _keep(self, ram: residency.GuestRam, res: dict[str, Any]) -> None:
-        target = residency.target_bytes(res["budget_bytes"], res["headroom_bytes"])
-        self.stats |= {"state": "keeping", "target_bytes": target, "pid": ram.pid}
+        marks = _Marks(
+            target=residency.target_bytes(res["budget_bytes"], res["headroom_bytes"]),
+            low=residency.low_mark(res["budget_bytes"], res["headroom_bytes"]),
+        )
+        self.stats |= {"state": "keeping", "target_bytes": marks.target, "pid": ram.pid}
+        self.stats |= {"low_bytes": marks.low}
         fds = [os.open(ram.path, os.O_RDONLY), os.pidfd_open(ram.pid)]
         fds += [os.open(f"/proc/{ram.pid}/pagemap", os.O_RDONLY)]
         fds += [os.open("/proc/kpageflags", os.O_RDONLY)]
-        ages, dropped = [0] * ram.chunks, set[int]()
+        state = _Chunks(ages=[0] * ram.chunks)
         try:
             while not self.stop_event.wait(KEEPER_INTERVAL_S):
                 if os.fstat(fds[0]).st_nlink == 0:
                     self.stats["state"] = "VM left"
                     return
-                ages = self._step(ram, fds, target, ages, dropped)
+                self._step(ram, fds, marks, state)
         finally:
             for fd in fds:
                 os.close(fd)
 
-    def _step(
-        self, ram: residency.GuestRam, fds: list[int], target: int, ages: list[int], dropped: set
-    ) -> list[int]:
+    def _step(self, ram: residency.GuestRam, fds: list[int], marks: _Marks, state: _Chunks) -> None:
         file_fd, pidfd, pagemap_fd, kpf_fd = fds
         scan = ram.scan(pagemap_fd, kpf_fd)
-        back = {c for c in dropped if scan.resident[c]}
-        dropped -= back
-        ages = residency.age(ages, scan.dirty | back)
+        back = {c for c in state.dropped if scan.resident[c]}
+        state.dropped -= back
+        state.ages = residency.age(
+            state.ages, residency.referenced(scan.dirty, back, state.written)
+        )
         resident = [c for c, pages in enumerate(scan.resident) if pages]
         ram.write_back(file_fd, resident, wait=False)
+        state.written.update(resident)
         charge = (self.store.usage(self.vm) or {}).get("usage_bytes") or 0
         self._sample(charge, sum(scan.resident) * residency.PAGE)
-        if charge > target:
-            victims = residency.coldest(scan.resident, ages, (charge - target) // residency.PAGE)
+        excess = residency.drop_pages(charge, marks.target, marks.low)
+        if excess:
+            victims = residency.coldest(scan.resident, state.ages, excess)
             ram.write_back(file_fd, victims, wait=True)
             self.stats["dropped_bytes"] += ram.page_out(pidfd, victims)
+            ram.forget(file_fd, victims)
             self.stats["drops"] += 1
-            dropped.update(victims)
+            state.dropped.update(victims)
         self.stats["rounds"] += 1
-        return ages
 
     def _sample(self, charge: int, guest_resident: int) -> None:
         s = self.stats
