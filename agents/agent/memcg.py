@@ -153,18 +153,32 @@ def _enable_memory(mount: Path, parent: Path) -> None:
 
 
 def usage(hierarchy: MemoryHierarchy, group: Path) -> dict[str, int | None] | None:
-    """Charged bytes, the cap and the peak (None where the kernel keeps none)."""
+    """Charged bytes, the cap, the peak and how often the cap was hit (None: not kept).
+
+    ``limit_hits`` is the evidence that the cap stayed a safety net: v1's
+    ``memory.failcnt``, v2's ``max`` event (each time a charge had to reclaim).
+    """
     if not group.is_dir():
         return None
     if hierarchy.version == 1:
         names = ("memory.usage_in_bytes", "memory.limit_in_bytes", "memory.max_usage_in_bytes")
+        hits = _read(group / "memory.failcnt").strip()
     else:
         names = ("memory.current", "memory.max", "memory.peak")
+        events = dict(
+            line.split(None, 1) for line in _read(group / "memory.events").splitlines() if line
+        )
+        hits = events.get("max", "").strip()
     values = []
     for name in names:
         text = _read(group / name).strip()
         values.append(None if text in ("", "max") else int(text))
-    return {"usage_bytes": values[0], "limit_bytes": values[1], "max_usage_bytes": values[2]}
+    return {
+        "usage_bytes": values[0],
+        "limit_bytes": values[1],
+        "max_usage_bytes": values[2],
+        "limit_hits": int(hits) if hits.isdigit() else None,
+    }
 
 
 def remove_own_group(hierarchy: MemoryHierarchy, parent: str, vm: str) -> None:

@@ -14,9 +14,9 @@ each page lives.  Every INTERVAL_S it
    since the last writeback;
 2. ages every 1 MiB chunk with 8 bits, like seed 003's per-page history (a
    bit per interval, shifted right): a chunk is *referenced* in an interval
-   when a sampled page of it is dirty again after being written back (its
-   first arrival does not count), or when it is resident again after the
-   keeper dropped it (the guest or the stream touched it);
+   when a sampled page of it is dirty again after being written back, or
+   when it is resident again after the keeper dropped it (the guest or the
+   stream touched it);
 3. starts writeback of every dirty chunk in 1 MiB-aligned ranges (the store
    sees large writes, not reclaim's 4 KiB ones: 4.3x slower in seed 003);
 4. when the cgroup's charge is above its target (the cap minus headroom for
@@ -93,21 +93,6 @@ def target_bytes(limit_bytes: int, headroom_bytes: int) -> int:
     32
     """
     return max(limit_bytes // 2, limit_bytes - headroom_bytes)
-
-
-def referenced(dirty: Iterable[int], back: Iterable[int], written: set[int]) -> set[int]:
-    """Chunks referenced this interval: rewritten after a writeback, or back after a drop.
-
-    A chunk's first arrival is no evidence of heat: the first precopy round
-    brings every page once, hot or not, and counting arrivals made the keeper
-    keep whatever came last and drop the working set that came first, which the
-    later rounds (the rewritten pages, the ones the final round carries) then
-    faulted back in from the store.
-
-    >>> sorted(referenced({1, 2}, {7}, written={2, 3}))
-    [2, 7]
-    """
-    return {c for c in dirty if c in written} | set(back)
 
 
 def low_mark(limit_bytes: int, headroom_bytes: int) -> int:

@@ -229,7 +229,6 @@ class _Chunks:
 
     ages: list[int]
     dropped: set[int] = dataclasses.field(default_factory=set)
-    written: set[int] = dataclasses.field(default_factory=set)  # written back at least once
 
 
 class ResidencyKeeper(threading.Thread):
@@ -300,12 +299,12 @@ class ResidencyKeeper(threading.Thread):
         scan = ram.scan(pagemap_fd, kpf_fd)
         back = {c for c in state.dropped if scan.resident[c]}
         state.dropped -= back
-        state.ages = residency.age(
-            state.ages, residency.referenced(scan.dirty, back, state.written)
-        )
+        # A first arrival counts as a reference too: a trial that counted only
+        # rewrites dropped the never-rewritten pages the resumed guest reads
+        # (its kernel, its programs) and its gap after resume grew (split_trace).
+        state.ages = residency.age(state.ages, scan.dirty | back)
         resident = [c for c, pages in enumerate(scan.resident) if pages]
         ram.write_back(file_fd, resident, wait=False)
-        state.written.update(resident)
         charge = (self.store.usage(self.vm) or {}).get("usage_bytes") or 0
         self._sample(charge, sum(scan.resident) * residency.PAGE)
         excess = residency.drop_pages(charge, marks.target, marks.low)

@@ -41,6 +41,7 @@ WORKLOAD = "dirtier:wss=200M,rate=2000"
 CASES = ("enough", "split-75", "split-50", "split-35", "swap-50")
 DEFAULT_OUT = Path("docs/benchmarks/split.md")
 AFTER_S = 10.0
+LAB_ENV = ("FLEXMIG_LAB_QEMU", "FLEXMIG_LAB_STORE")  # named in the table's command
 READY_TIMEOUT_S = 300.0
 
 
@@ -89,6 +90,7 @@ def run_flexmig(lab: Lab, name: str) -> dict:
         budget_mib=(reservation.get("budget_bytes") or 0) / 2**20,
         max_charge_mib=(keeper.get("max_charge_bytes") or 0) / 2**20,
         dropped_mib=(keeper.get("dropped_bytes") or 0) / 2**20,
+        cap_hits=(status.get("cgroup") or {}).get("limit_hits"),
         note=(result.get("error") or "")[:60],
     )
     if row["ok"]:
@@ -114,6 +116,7 @@ def run_swap(lab: Lab, name: str, swap_file: Path) -> dict:
             bad=bad,
             budget_mib=budget / 2**20,
             max_charge_mib=(cgroup.get("max_usage_bytes") or 0) / 2**20,
+            cap_hits=cgroup.get("limit_hits"),
             after_pps=_after_move_rate(vm.LabVM(lab, name)),
         )
     finally:
@@ -144,6 +147,11 @@ def _median(rows: list[dict], key: str) -> float:
     return statistics.median(values) if values else math.nan
 
 
+def _cap_hits(rows: list[dict]) -> str:
+    hits = [r["cap_hits"] for r in rows if isinstance(r.get("cap_hits"), int)]
+    return str(max(hits)) if hits else ""
+
+
 def table(runs: dict[str, list[dict]]) -> list[str]:
     base_t, base_d = _median(runs["enough"], "time_s"), _median(runs["enough"], "gap_ms")
     lines = []
@@ -155,7 +163,7 @@ def table(runs: dict[str, list[dict]]) -> list[str]:
         lines.append(
             f"| {case} | {sum(r['ok'] for r in rows)}/{len(rows)} | {t:.2f} | {t / base_t:.2f} "
             f"| {d:.0f} | {d - base_d:+.0f} | {max(r['bad'] for r in rows)} "
-            f"| {_median(rows, 'budget_mib'):.0f} | {max_charge:.0f} "
+            f"| {_median(rows, 'budget_mib'):.0f} | {max_charge:.0f} | {_cap_hits(rows)} "
             f"| {pred if case.startswith('split') else ''} | {_median(rows, 'after_pps'):.0f} "
             f"| {rows[0].get('note', '')} |"
         )
@@ -174,6 +182,8 @@ def main() -> None:
     if "enough" not in cases or not set(cases) <= set(CASES):
         raise SystemExit(f"--cases: a subset of {', '.join(CASES)} including 'enough'")
     image.build()
+    args.load_at_start = os.getloadavg()[0]
+    args.started = datetime.datetime.now(datetime.UTC).strftime("%H:%M")
     lab = Lab()
     lab.down()
     lab.up(2)
@@ -194,10 +204,13 @@ def main() -> None:
 
 
 def write(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
+    env = " ".join(f"{k}={os.environ[k]}" for k in LAB_ENV if os.environ.get(k))
     command = (
-        ".venv/bin/python -m tests.bench.bench_split"
+        (env + " " if env else "")
+        + ".venv/bin/python -m tests.bench.bench_split"
         + (f" --repeat {args.repeat}" if args.repeat != 1 else "")
         + (f" --cases {args.cases}" if args.cases != ",".join(CASES) else "")
+        + (f" --out {args.out}" if args.out != DEFAULT_OUT else "")
     )
     header = [
         f"# Split vs enough RAM vs conventional swap ({datetime.date.today()})",
@@ -209,15 +222,18 @@ def write(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
         "resident budget; swap-50: the split-50 cap on an anonymous guest with a host swap file. "
         f"Medians of {args.repeat} run(s). Downtime is guest-observed. bad = bad + lost pages "
         "(max). max charge = largest charge of B's cgroup (keeper's samples for split, the "
-        f"kernel's peak for swap). after = dirtier pages/s in the {AFTER_S:.0f} s after the move "
+        "kernel's peak for swap). cap hits = times a charge met B's cap and had to reclaim "
+        f"(memory.failcnt, max). after = dirtier pages/s in the {AFTER_S:.0f} s after the move "
         "(the workload asks for 2000/s).",
         "",
-        f"QEMU {_lab_qemu_version()}; load average at the end {os.getloadavg()[0]:.1f} on "
-        f"{os.cpu_count()} CPUs (the machine is shared).",
+        f"QEMU {_lab_qemu_version()}; started {args.started} UTC; load average at the start "
+        f"{args.load_at_start:.1f}, at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} "
+        "CPUs (the machine is shared; every lab run holds the lab lock).",
         "",
         "| case | completed | total s | x enough | downtime ms | vs enough ms | bad | budget MiB "
-        "| max charge MiB | predicted total / downtime (error) | after pages/s | note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| max charge MiB | cap hits | predicted total / downtime (error) | after pages/s "
+        "| note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(header + table(runs)) + "\n")

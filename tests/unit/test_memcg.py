@@ -104,16 +104,18 @@ def test_v2_qemu_in_the_root_group_gets_flexmigs_own_group(tmp_path):
     ("version", "files", "expected"),
     [
         (1, {"memory.usage_in_bytes": "10", "memory.limit_in_bytes": "20",
-             "memory.max_usage_in_bytes": "15"}, (10, 20, 15)),
-        (2, {"memory.current": "10", "memory.max": "20", "memory.peak": "15"}, (10, 20, 15)),
-        (2, {"memory.current": "10", "memory.max": "max"}, (10, None, None)),
+             "memory.max_usage_in_bytes": "15", "memory.failcnt": "7"}, (10, 20, 15, 7)),
+        (2, {"memory.current": "10", "memory.max": "20", "memory.peak": "15",
+             "memory.events": "low 0\nhigh 3\nmax 9\noom 0\noom_kill 0"}, (10, 20, 15, 9)),
+        (2, {"memory.current": "10", "memory.max": "max"}, (10, None, None, None)),
     ],
 )  # fmt: skip
 def test_usage_reads_each_versions_files(tmp_path, version, files, expected):
     for name, text in files.items():
         (tmp_path / name).write_text(text + "\n")
     got = memcg.usage(memcg.MemoryHierarchy(version, tmp_path), tmp_path)
-    assert (got["usage_bytes"], got["limit_bytes"], got["max_usage_bytes"]) == expected
+    keys = ("usage_bytes", "limit_bytes", "max_usage_bytes", "limit_hits")
+    assert tuple(got[k] for k in keys) == expected
     assert memcg.usage(memcg.MemoryHierarchy(version, tmp_path), tmp_path / "gone") is None
 
 
@@ -134,7 +136,8 @@ def test_the_store_records_where_the_hook_capped_qemu(tmp_path):
     store._write_reservation("vm1", store.reservation("vm1") | {"cgroup": str(group)})
     assert store.cgroup_dir("vm1") == scope
     assert store.usage("vm1") == {
-        "usage_bytes": 50 << 20, "limit_bytes": 240 << 20, "max_usage_bytes": None
+        "usage_bytes": 50 << 20, "limit_bytes": 240 << 20, "max_usage_bytes": None,
+        "limit_hits": None,
     }  # fmt: skip
 
 

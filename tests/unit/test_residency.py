@@ -39,14 +39,6 @@ def test_the_target_keeps_headroom_but_never_below_half_the_cap():
     assert residency.target_bytes(100 * MIB, 90 * MIB) == 50 * MIB
 
 
-def test_a_first_arrival_is_not_heat_but_a_rewrite_or_a_return_is():
-    written: set[int] = set()
-    assert residency.referenced({0, 1}, set(), written) == set()  # round 1: both arrive
-    written |= {0, 1}
-    assert residency.referenced({1}, set(), written) == {1}  # round 2 re-sent chunk 1
-    assert residency.referenced(set(), {0}, written) == {0}  # dropped chunk 0 faulted back
-
-
 def test_a_drop_goes_below_the_target_so_the_next_interval_lands_in_free_room():
     limit, headroom = 256 * MIB, 24 * MIB
     target = residency.target_bytes(limit, headroom)
