@@ -19,7 +19,9 @@ import argparse
 import datetime
 import math
 import os
+import signal
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -29,7 +31,8 @@ from flexmig_lab.lab import Lab
 from tests.bench import bench_modes
 
 DEFAULT_OUT = Path("docs/benchmarks/downtime.md")
-WORKLOADS = ("idle", "moderate", "hot", "file")
+# The file-backed and hot guests first: a hold cut short still measured them.
+WORKLOADS = ("file", "hot", "idle", "moderate")
 STRATEGIES = ("nova-default", "always-postcopy", "flexmig-auto")
 FILE_BACKED = dict(ram="512M", workload="dirtier:wss=200M,rate=2000", memory_backing="file")
 LAB_ENV = ("FLEXMIG_LAB_QEMU", "FLEXMIG_LAB_STORE", "FLEXMIG_LAB_LIBVIRT")
@@ -110,12 +113,15 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     args = parser.parse_args()
+    # A timeout's SIGTERM still takes the lab down (finally) and keeps the table.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     image.build()
     lab = Lab()
     lab.down()
     started = (datetime.datetime.now(datetime.UTC), os.getloadavg()[0])
     lab.up(2)
-    lines = []
+    lines: list[str] = []
+    software: dict = {}
     try:
         software = lab.agent("B").get("/v1/facts")  # the destination
         for workload in args.workloads.split(","):
@@ -126,8 +132,13 @@ def main() -> None:
             for strategy in runs:
                 lines.append(row(workload, strategy, runs[strategy]))
                 print(lines[-1], flush=True)
+            write(args, started, software, lines)  # what a cut-short hold measured is kept
     finally:
         lab.down()
+    write(args, started, software, lines)
+
+
+def write(args: argparse.Namespace, started: tuple, software: dict, lines: list[str]) -> None:
     libvirt_v = software.get("libvirt_version", 0)
     env = " ".join(f"{k}={os.environ[k]}" for k in LAB_ENV if os.environ.get(k))
     ended = datetime.datetime.now(datetime.UTC)
