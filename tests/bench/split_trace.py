@@ -9,7 +9,8 @@ failcnt = times the cap was hit, ``memory.stat``: dirty, writeback, pages
 paged in/out, major faults), the destination QEMU's threads (state and
 wchan: what a blocked thread waits in) and, every 50 ms, the residency
 keeper's stats from B's agent.  QEMU's ``vmstate_downtime_checkpoint``
-trace events give the source's stop and last byte and the destination's
+trace events (and ``handle_qmp_command``: what the destination's libvirt
+asks when) give the source's stop and last byte and the destination's
 load completion on the same (wall) clock.  Printed: the samples from 0.5 s
 before the source stops to the destination's load completion, and a
 summary of the final round (last byte -> loaded).
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -32,6 +34,7 @@ from tests.bench.switchover_trace import checkpoints
 
 STAT_KEYS = ("cache", "dirty", "writeback", "pgpgin", "pgpgout", "pgmajfault", "mapped_file")
 SAMPLE_S = 0.01
+QMP_RE = re.compile(r"@(\d+\.\d+):handle_qmp_command .*?\"execute\": ?\"([\w-]+)\"")
 
 
 def _read(path: Path) -> str:
@@ -185,7 +188,15 @@ def one(lab: Lab, budget_pct: int, index: int) -> None:
             f"guest gap {r.get('guest_observed_downtime_ms')} ms, libvirt {r.get('downtime_ms')}"
             f" ms, verify {r.get('verify')}"
         )
-        report(sampler, checkpoints(lab, "A", name), checkpoints(lab, "B", name))
+        src = checkpoints(lab, "A", name)
+        report(sampler, src, checkpoints(lab, "B", name))
+        log = lab.host("B").ns.root_path(f"/var/log/libvirt/qemu/{name}.log").read_text()
+        qmp = [
+            f"{(float(m.group(1)) - src['src-downtime-start']) * 1000:+.0f} {m.group(2)}"
+            for m in QMP_RE.finditer(log)
+            if float(m.group(1)) >= src["src-downtime-start"] - 0.1
+        ]
+        print("destination QMP commands (ms after the source stopped):", qmp[:14])
     finally:
         sampler.stop.set()
         vm.destroy(lab, name)
@@ -198,7 +209,7 @@ def main() -> int:
         "--budgets", default="50", help="comma list of 35, 50, 75, 100 (% of RAM; 100: enough RAM)"
     )
     args = parser.parse_args()
-    os.environ["FLEXMIG_LAB_QEMU_TRACE"] = "vmstate_downtime_checkpoint"
+    os.environ["FLEXMIG_LAB_QEMU_TRACE"] = "vmstate_downtime_checkpoint,handle_qmp_command"
     image.build()
     lab = Lab()
     lab.up(2)
