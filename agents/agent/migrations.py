@@ -239,7 +239,7 @@ class MigrationService:
             raise
         if flows_moving and result.state != "completed":
             self.offload.restore(record.id, result.error or result.state, dest.agent, record.event)
-        mover_stats = self._finish_movers(pairs, result.state == "completed")
+        mover_stats = self._finish_movers(record, pairs, result.state == "completed")
         if writeback:
             record.writeback_rounds = self._end_writeback(record, dest)
         if result.state != "completed":
@@ -360,10 +360,18 @@ class MigrationService:
             streams,
         )
 
-    def _finish_movers(self, pairs: MoverPairs | None, ok: bool) -> dict[str, Any] | None:
+    def _finish_movers(
+        self, record: MigrationRecord, pairs: MoverPairs | None, ok: bool
+    ) -> dict[str, Any] | None:
+        """The movers' statistics; a mover that fails to report them is no
+        failed migration (the VM has landed: libvirt's job decides that)."""
         if pairs is None:
             return None
-        return pairs.finish(ok)
+        try:
+            return pairs.finish(ok)
+        except exceptions.FlexMigError as exc:
+            record.event(f"the movers' statistics are lost: {exc}")
+            return None
 
     def _summary(
         self, record: MigrationRecord, plan: Plan, dest: Destination, result: Any

@@ -63,12 +63,19 @@ class MoverPairs:
             self._clear_dead(quiet=True)
             return None
         mid, sender = self.current, self.sender
-        self.current, self.sender = None, None
         Path(movers.socket_path(self.state_dir, mid)).unlink(missing_ok=True)
         self._clear_dead(quiet=True)
-        stats = {"send": sender.wait(timeout=30)}
-        body = {"migration_id": mid}
-        stats["recv"] = self.dest.post("/v1/mover/finish", body, timeout=FINISH_TIMEOUT_S)["stats"]
+        try:
+            stats = {"send": sender.wait(timeout=30)}
+            body = {"migration_id": mid}
+            reply = self.dest.post("/v1/mover/finish", body, timeout=FINISH_TIMEOUT_S)
+            stats["recv"] = reply["stats"]
+        except exceptions.FlexMigError:
+            # Both ends go whatever happened; the caller says what was lost.
+            self._drop_current()
+            self._clear_dead(quiet=True)
+            raise
+        self.current, self.sender = None, None
         return stats
 
     def _start(self, mid: str) -> str:

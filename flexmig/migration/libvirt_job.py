@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import threading
 import time
 from collections.abc import Callable
 
 import libvirt
+import libvirt_qemu
 
 from flexmig import exceptions, hypervisor
 from flexmig.migration import controller, recovery
@@ -65,6 +67,9 @@ class JobConfig:
     # (yet).  The mover transport needs it: its pair dies with the stream.
     # None: resume over migration_uri (QEMU's own TCP listens again there).
     reopen_transport: Callable[[int], str] | None = None
+    # The libvirt flags the migration was started with, where another caller
+    # started it (Nova): a resume repeats them.  None: the plan's own.
+    flags: int | None = None
 
 
 @dataclasses.dataclass
@@ -112,7 +117,9 @@ class MigrationJob:
         self._uri = config.migration_uri  # a resume's fresh transport replaces it
 
     def _params(self) -> dict[str, object]:
-        params: dict[str, object] = {libvirt.VIR_MIGRATE_PARAM_URI: self._uri}
+        params: dict[str, object] = {}
+        if self._uri:  # "": libvirt's default (Nova's, without a migrate URI)
+            params[libvirt.VIR_MIGRATE_PARAM_URI] = self._uri
         cap = self.plan.request.bandwidth_mib
         if cap:
             # A cap emulates a slower link: it holds for both phases (libvirt's
@@ -123,7 +130,18 @@ class MigrationJob:
         return params | self.plan.params()
 
     def flags(self) -> int:
+        if self.config.flags is not None:
+            return self.config.flags
         return BASE_FLAGS | self.plan.mode_flags(libvirt)
+
+    def recover_postcopy(self) -> JobResult:
+        """Resume a postcopy that another caller started and that broke (Nova's
+        path): the same recovery as this job's own."""
+        start = time.monotonic()
+        self.result.switched_to_postcopy = True
+        self._recover()
+        self.result.elapsed_s = time.monotonic() - start
+        return self.result
 
     def _start(self, flags: int) -> tuple[threading.Thread, list[BaseException]]:
         return hypervisor.start_migration(
@@ -381,11 +399,10 @@ class MigrationJob:
             if step.kind == recovery.GIVE_UP:
                 break
             time.sleep(step.delay_s)
+            if step.kind == recovery.WAIT:
+                continue
             attempts += 1
             error = self._resume(attempts, step.reopen)
-            if self._abandoned:
-                self._give_up()
-                return
             if error is None:
                 self.result.state, self.result.recovered = "completed", True
                 self.on_event(f"postcopy resumed and completed (attempt {attempts})")
@@ -405,6 +422,7 @@ class MigrationJob:
             attempts=attempts,
             time_left_s=deadline - time.monotonic(),
             fresh_transport=self.config.reopen_transport is not None,
+            qemu_status=self._qemu_migration_status(),
         )
 
     def _resume(self, attempt: int, reopen: bool) -> str | None:
@@ -418,4 +436,24 @@ class MigrationJob:
             self.on_event(f"resume attempt {attempt} over a fresh transport: {self._uri}")
         worker, errors = self._start(self.flags() | libvirt.VIR_MIGRATE_POSTCOPY_RESUME)
         self._watch(worker)
+        if self._abandoned:
+            # Another attempt may still get through, or the VM land: the
+            # deadline, not one stuck call, ends the recovery.
+            self._abandoned = False
+            return (
+                f"libvirt's resume call did not end within {self.config.end_timeout_s:.0f} s "
+                "of its interruption"
+            )
         return str(errors[0]) if errors else None
+
+    def _qemu_migration_status(self) -> str:
+        """The source QEMU's own migration state (query-migrate); "" when unknown."""
+
+        def query() -> str:
+            reply = libvirt_qemu.qemuMonitorCommand(self.dom, '{"execute":"query-migrate"}', 0)
+            return str(json.loads(reply).get("return", {}).get("status", ""))
+
+        try:
+            return str(self._call(query, "report QEMU's migration state"))
+        except (libvirt.libvirtError, exceptions.Timeout, ValueError, AttributeError):
+            return ""

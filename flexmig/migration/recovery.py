@@ -23,6 +23,17 @@ SOURCE_RUNS = "source-runs"  # libvirt rolled back: the VM runs whole on the sou
 LANDED = "landed"  # the stream survived: the VM runs on the destination
 RESUME = "resume"  # try POSTCOPY_RESUME (after delay_s, on a fresh transport if asked)
 GIVE_UP = "give-up"  # out of time: the VM stays paused, recoverable
+WAIT = "wait"  # QEMU still carries a stream: leave it (and its transport) alone
+
+# The source QEMU's migration states (query-migrate) in which a stream is still
+# carrying the VM: a resume libvirt reported failed may be going on all the
+# same (libvirt 9.0 does not know QEMU >= 9.1's postcopy-recover-setup and
+# fails its side of a recovery that QEMU completes; seen in the lab).  Tearing
+# down its mover pair for another attempt would break it again.
+QEMU_MOVING = frozenset(
+    {"postcopy-active", "postcopy-recover-setup", "postcopy-recover", "device", "completed"}
+)
+WAIT_POLL_S = 1.0
 
 # Between resume attempts: long enough for a daemon or link to come back, short
 # enough that a 2 s cut costs about that; doubled per failure, capped.
@@ -39,6 +50,7 @@ class RecoveryView:
     attempts: int  # resume attempts made so far
     time_left_s: float  # until the recovery deadline
     fresh_transport: bool  # the transport must be reopened for every resume
+    qemu_status: str = ""  # the source QEMU's migration state; "": unknown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +78,9 @@ def next_step(view: RecoveryView) -> Step:
 
     Where the VM already runs decides first (whole on the source: libvirt
     rolled back; on the destination: QEMU's stream outlived libvirt's job).
-    Otherwise resume, on a fresh transport where the old one died with its
-    stream, unless the wait before it would cross the deadline.
+    A source QEMU still migrating is waited for.  Otherwise resume, on a fresh
+    transport where the old one died with its stream, unless the wait before
+    it would cross the deadline.
 
     >>> view = RecoveryView(False, False, attempts=0, time_left_s=120.0, fresh_transport=True)
     >>> next_step(view)
@@ -78,11 +91,19 @@ def next_step(view: RecoveryView) -> Step:
     'give-up'
     >>> next_step(dataclasses.replace(view, landed_on_destination=True, time_left_s=0)).kind
     'landed'
+    >>> next_step(dataclasses.replace(view, attempts=2, qemu_status="postcopy-recover"))
+    Step(kind='wait', delay_s=1.0, reopen=False)
+    >>> next_step(dataclasses.replace(view, attempts=2, qemu_status="postcopy-paused")).kind
+    'resume'
     """
     if view.runs_on_source:
         return Step(SOURCE_RUNS)
     if view.landed_on_destination:
         return Step(LANDED)
+    if view.qemu_status in QEMU_MOVING:
+        if view.time_left_s <= WAIT_POLL_S:
+            return Step(GIVE_UP)
+        return Step(WAIT, delay_s=WAIT_POLL_S)
     delay = retry_delay_s(view.attempts)
     if view.time_left_s <= delay:
         return Step(GIVE_UP)

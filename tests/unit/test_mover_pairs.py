@@ -115,3 +115,19 @@ def test_a_pair_whose_sender_cannot_start_leaves_no_receivers(tmp_path, monkeypa
     with pytest.raises(exceptions.BackendError):
         _pairs(tmp_path, dest).open()
     assert dest.receiving == set()
+
+
+def test_a_pair_that_cannot_report_is_killed_on_both_hosts(tmp_path, senders):
+    dest = DestAgent()
+    pairs = _pairs(tmp_path, dest)
+    pairs.open()
+    pairs.reopen(1)  # a resume's pair QEMU never used: its sender never ends
+
+    def never_ends(timeout: float) -> dict:
+        raise exceptions.BackendError(backend="mover", reason="exited with -1")
+
+    senders["ab12cd34ef560001"].wait = never_ends  # type: ignore[method-assign]
+    with pytest.raises(exceptions.BackendError):
+        pairs.finish(ok=True)
+    assert senders["ab12cd34ef560001"].killed
+    assert dest.receiving == set()

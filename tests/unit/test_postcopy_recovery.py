@@ -10,6 +10,7 @@ the VM paused and recoverable with an error that says so.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import threading
 
 import libvirt
@@ -114,6 +115,7 @@ def _job(monkeypatch, outcomes: list[str | None], reopen=None, timeout_s: float 
     monkeypatch.setattr(libvirt_job.hypervisor, "start_migration", start)
     monkeypatch.setattr(MigrationJob, "_runs_on_source", lambda self: False)
     monkeypatch.setattr(MigrationJob, "_landed_on_destination", lambda self: False)
+    monkeypatch.setattr(MigrationJob, "_qemu_migration_status", lambda self: "postcopy-paused")
     events: list[str] = []
     config = JobConfig(
         "qemu+tcp://b/system",
@@ -186,3 +188,35 @@ def test_over_qemu_tcp_the_same_uri_serves_again(monkeypatch, clock):
     assert {params[libvirt.VIR_MIGRATE_PARAM_URI] for params, _ in started} == {
         "unix:///run/flexmig/mig-ab12cd34ef56.sock"
     }
+
+
+def test_a_resume_qemu_carries_on_is_waited_for_not_torn_down(monkeypatch, clock):
+    """libvirt 9.0 reports a resume failed that QEMU 10 completes (lab): its
+    pair must live until the VM lands, no new pair is opened meanwhile."""
+    opened: list[int] = []
+    job, started, events = _job(monkeypatch, ["job 'migration in' failed"], opened.append)
+    states = itertools.chain(
+        ["postcopy-paused", "postcopy-recover", "postcopy-active"], itertools.repeat("completed")
+    )
+    monkeypatch.setattr(MigrationJob, "_qemu_migration_status", lambda self: next(states))
+    landed = iter([False, False, False, False, True])
+    monkeypatch.setattr(MigrationJob, "_landed_on_destination", lambda self: next(landed))
+    job._recover()
+    assert job.result.state == "completed" and job.result.recovered
+    assert opened == [1] and len(started) == 1
+    assert clock.slept[1:] == [recovery.WAIT_POLL_S] * 3
+
+
+def test_a_resume_call_libvirt_never_ends_is_not_the_end_of_recovery(monkeypatch, clock):
+    job, started, events = _job(monkeypatch, ["stuck", None], reopen=None)
+    real_watch = MigrationJob._watch
+    calls = iter([True, False])
+
+    def watch(self, worker):
+        real_watch(self, worker)
+        self._abandoned = next(calls)  # the first resume call never returned
+
+    monkeypatch.setattr(MigrationJob, "_watch", watch)
+    job._recover()
+    assert job.result.state == "completed" and len(started) == 2
+    assert any("did not end within" in e for e in events)
