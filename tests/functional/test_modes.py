@@ -77,7 +77,9 @@ def test_short_destination_goes_by_split_and_caps_residency(lab):
         assert int((group / "memory.max_usage_in_bytes").read_text()) <= limit
         # 300 MiB of verified working set lives on a host capped below it.
         assert result["verify"]["pages"] * 4096 > limit
-        memory_file = lab.host("B").store_dir / "libvirt" / "qemu"
+        # Seen from B's mount namespace: the store may be a mount of its own there
+        # (FLEXMIG_LAB_STORE=own-fs), invisible from the lab's.
+        memory_file = lab.host("B").ns.root_path(str(lab.host("B").store_dir / "libvirt/qemu"))
         assert any(memory_file.glob("*-big/*"))
         vm.destroy(lab, "big")
         assert not group.exists()  # the release hook removed the group
