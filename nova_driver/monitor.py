@@ -5,7 +5,9 @@ on a completion timer (abort, or force postcopy).  FlexMig replaces those two
 with the engine's ``Controller`` (``flexmig.migration.controller``), the one
 the agent's job uses too: the downtime limit is the decision's from the start,
 hybrid switches to postcopy after the decision's precopy rounds, the in-flight
-correction applies, and a stream with no progress for ``[migration]
+correction applies (in place of Nova's completion timeout, a precopy that has
+not fit the downtime budget for ``[migration] converge_timeout`` is stopped
+and copied), and a stream with no progress for ``[migration]
 stall_timeout`` is aborted while abort is still safe (once postcopy runs,
 libvirt and QEMU own its recovery on this path).  Everything else is Nova's:
 its job-type untangling, its queued tasks (force-complete, which switches to
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -91,6 +94,7 @@ class PlanMonitor:
         save_interval_s: float,
         active_migrations: dict[str, collections.deque[str]],
         setup_timeout_s: float | None = None,
+        converge_timeout_s: float = math.inf,
     ) -> None:
         self.libvirt = libvirt
         self.host = host
@@ -100,7 +104,11 @@ class PlanMonitor:
         self.active_migrations = active_migrations
         self.state = MonitorState()
         self.control = Controller(
-            plan, stall_timeout_s, recovers_postcopy=False, setup_timeout_s=setup_timeout_s
+            plan,
+            stall_timeout_s,
+            recovers_postcopy=False,
+            setup_timeout_s=setup_timeout_s,
+            converge_timeout_s=converge_timeout_s,
         )
 
     def run(

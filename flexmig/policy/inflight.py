@@ -14,6 +14,13 @@ and copies what is left during downtime.  Here, in order:
    a tighter one on the faster estimate);
 4. at a cap with the budget already in force, stop and copy: pause the guest
    so the remainder moves while it is stopped, as seed 000 does.
+
+Seed 000's caps count rounds and bytes, which assume the stream runs near its
+planned rate.  A stream that trickles at about the guest's dirty rate (the
+lab's split destination, faulting re-sent pages back from its store at the
+cap, moved 3-20 MiB/s against a guest dirtying ~8 MiB/s) reaches neither in
+minutes: its rounds grow longer instead of more numerous.  So the budget held
+for ``converge_timeout`` without the remainder fitting it is a cap too.
 """
 
 from __future__ import annotations
@@ -60,8 +67,12 @@ def adjust(
     limit_ms: int,
     budget_ms: int,
     postcopy_enabled: bool,
+    budget_held_s: float = 0.0,
+    converge_timeout_s: float = math.inf,
 ) -> Adjustment:
     """What to change in a running precopy, given its progress.
+
+    ``budget_held_s``: how long the limit has been the full budget.
 
     >>> slow = Progress(iteration=8, processed_bytes=600 << 20, remaining_bytes=4 << 20,
     ...                 ram_bytes=512 << 20, bandwidth_bps=10 << 20)
@@ -75,6 +86,8 @@ def adjust(
     'stop_and_copy'
     >>> adjust(dataclasses.replace(slow, iteration=3), 4, 20, 300, False).action
     'none'
+    >>> adjust(slow, 4, 300, 300, False, budget_held_s=31, converge_timeout_s=30).action
+    'stop_and_copy'
     """
     expected = progress.expected_downtime_ms()
     if expected <= limit_ms:
@@ -99,11 +112,18 @@ def adjust(
             reason=f"{where}: the stream is slower than planned, raising it to the "
             f"{budget_ms} ms budget",
         )
+    stop = "pausing the guest so the rest moves while it is stopped (seed 000's stop-and-copy)"
     if capped:
         return Adjustment(
             "stop_and_copy",
             reason=f"{where}, and precopy's caps ({MAX_ROUNDS} rounds or "
-            f"{MAX_TOTAL_FACTOR:g}x RAM) are reached: pausing the guest so the rest "
-            "moves while it is stopped (seed 000's stop-and-copy)",
+            f"{MAX_TOTAL_FACTOR:g}x RAM) are reached: {stop}",
+        )
+    if budget_held_s > converge_timeout_s:
+        return Adjustment(
+            "stop_and_copy",
+            reason=f"{where}, and the {budget_ms} ms budget has been in force for "
+            f"{budget_held_s:.0f} s (converge_timeout {converge_timeout_s:g} s) without "
+            f"the remainder fitting it: {stop}",
         )
     return NONE

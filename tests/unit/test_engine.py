@@ -13,6 +13,7 @@ from flexmig.migration.controller import Controller
 from flexmig.migration.facts import declared_backing, filesystem_of
 from flexmig.migration.options import EngineOptions
 from flexmig.migration.request import MigrationRequest
+from flexmig.policy import inflight
 from tests.unit.engine_fakes import MIB, make_plan, vm_facts
 
 # -- request ------------------------------------------------------------------
@@ -80,6 +81,8 @@ def test_defaults_are_one_set(tmp_path):
         ("dirty_sample_seconds = 2,2", "dirty_sample_seconds"),
         ("allowed_modes =", "allowed_modes"),
         ("stall_timeout = 0", "stall_timeout"),
+        ("converge_timeout = 0.5", "converge_timeout"),
+        ("converge_timeout = nan", "converge_timeout"),
         ("transport = fast", "transport"),
     ],
 )
@@ -246,3 +249,22 @@ def test_progress_re_arms_the_stall_watchdog():
     assert control.on_stats(_stats(1, 150), 14) == []
     assert control.on_stats(_stats(1, 150), 28) == []  # 14 s since the last move
     assert [a.kind for a in control.on_stats(_stats(1, 150), 30)] == [controller.INTERRUPT]
+
+
+def test_a_precopy_that_never_fits_the_budget_is_stopped_after_converge_timeout():
+    plan = make_plan()
+    control = Controller(plan, stall_timeout_s=15, recovers_postcopy=False, converge_timeout_s=30)
+    rounds = len(plan.decision.prediction.rounds)
+    late = rounds + inflight.ROUNDS_OF_SLACK + 1
+    # 40 MiB left at 4 MiB/s: ~10 s of downtime, over any budget
+    (first,) = control.on_stats(_stats(late, 500, remaining_mib=40, bps_mib=4), 0)
+    assert first.kind == controller.SET_DOWNTIME
+    assert control.on_stats(_stats(late, 510, remaining_mib=40, bps_mib=4), 5) == [first]
+    control.done(first)  # the budget is the limit from here (t=10)
+    assert control.on_stats(_stats(late, 520, remaining_mib=40, bps_mib=4), 10) == []
+    assert control.on_stats(_stats(late + 1, 600, remaining_mib=40, bps_mib=4), 39) == []
+    (stop,) = control.on_stats(_stats(late + 1, 610, remaining_mib=40, bps_mib=4), 41)
+    assert stop.kind == controller.PAUSE_GUEST
+    assert "in force for 31 s" in stop.reason
+    control.done(stop)
+    assert control.on_stats(_stats(late + 1, 620, remaining_mib=40, bps_mib=4), 42) == []

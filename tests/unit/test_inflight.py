@@ -53,3 +53,28 @@ def test_with_the_budget_in_force_and_no_cap_yet_it_keeps_iterating() -> None:
 def test_no_observed_bandwidth_is_no_reason_to_act_early() -> None:
     unknown = dataclasses.replace(SLOW, iteration=2, bandwidth_bps=0)
     assert _adjust(unknown).action == "none"
+
+
+def test_the_budget_held_past_converge_timeout_stops_and_copies_without_a_cap() -> None:
+    # A stream trickling at about the dirty rate: rounds grow longer, not more
+    # numerous, so neither the round nor the byte cap comes for minutes.
+    def held(seconds: float) -> inflight.Adjustment:
+        return inflight.adjust(
+            SLOW, 4, 300, 300, False, budget_held_s=seconds, converge_timeout_s=30
+        )
+
+    assert held(29.0).action == "none"
+    change = held(31.0)
+    assert change.action == "stop_and_copy"
+    assert "in force for 31 s" in change.reason
+
+
+def test_converge_timeout_is_no_reason_to_skip_raising_the_limit_or_switching() -> None:
+    for limit_ms, postcopy, expected in (
+        (20, False, "raise_downtime"),
+        (300, True, "switch_postcopy"),
+    ):
+        change = inflight.adjust(
+            SLOW, 4, limit_ms, 300, postcopy, budget_held_s=99, converge_timeout_s=30
+        )
+        assert change.action == expected
