@@ -16,6 +16,7 @@ import statistics
 from typing import Any
 
 from flexmig import drain_run, exceptions
+from flexmig.migration import planner
 from flexmig.migration.facts import GuestMemory, VmFacts
 from flexmig.migration.options import EngineOptions
 from flexmig.policy import drain
@@ -105,7 +106,10 @@ def candidate_from_agent(host: HostEndpoint) -> drain.Candidate:
     try:
         facts = host.agent.get("/v1/facts")
         return drain.Candidate(
-            host.name, int(facts["free_for_vms_bytes"]), int(facts["store_free_bytes"])
+            host.name,
+            int(facts["free_for_vms_bytes"]),
+            int(facts["store_free_bytes"]),
+            facts=planner.DestinationFacts.from_agent(facts),
         )
     except (exceptions.FlexMigError, KeyError, TypeError, ValueError) as exc:
         return drain.Candidate(host.name, 0, 0, refusal=f"its agent did not answer: {exc}")

@@ -8,8 +8,9 @@ hybrid switches to postcopy after the decision's precopy rounds, the in-flight
 correction applies (in place of Nova's completion timeout, a precopy that has
 not fit the downtime budget for ``[migration] converge_timeout`` is stopped
 and copied), and a stream with no progress for ``[migration]
-stall_timeout`` is aborted while abort is still safe (once postcopy runs,
-libvirt and QEMU own its recovery on this path).  Everything else is Nova's:
+stall_timeout`` is aborted while abort is still safe; once postcopy runs it
+is paused instead, and the driver resumes it with the engine's recovery
+(``nova_driver.postcopy``) rather than letting Nova roll back.  Everything else is Nova's:
 its job-type untangling, its queued tasks (force-complete, which switches to
 postcopy only where the plan enabled it), its progress records on the
 migration object and its post/recover callbacks.
@@ -38,6 +39,7 @@ POLL_S = 0.5
 # monitor without limit, and a monitor stuck inside a call watches nothing (in
 # the lab, migrate_start_postcopy once did not return for 5 min).
 CALL_TIMEOUT_S = 30.0
+ABORT_JOB_POSTCOPY = 1  # libvirt's VIR_DOMAIN_ABORT_JOB_POSTCOPY (1 << 0)
 
 
 @dataclasses.dataclass
@@ -106,7 +108,7 @@ class PlanMonitor:
         self.control = Controller(
             plan,
             stall_timeout_s,
-            recovers_postcopy=False,
+            recovers_postcopy=True,
             setup_timeout_s=setup_timeout_s,
             converge_timeout_s=converge_timeout_s,
         )
@@ -228,9 +230,20 @@ class PlanMonitor:
             self.control.done(action)
 
     def _abort(self, guest: Any, reason: str) -> None:
+        """Abort a precopy (the VM is whole on the source); pause a postcopy,
+        which the driver then resumes (nova_driver/postcopy.py)."""
         self.state.aborted_for = reason
-        LOG.warning("FlexMig: %s; aborting the precopy", reason)
+        if self.control.switched:
+            LOG.warning("FlexMig: %s; pausing the postcopy to resume it", reason)
+            # Nova's test double of libvirt lacks the flag: the binding's value.
+            flag = getattr(self.libvirt, "VIR_DOMAIN_ABORT_JOB_POSTCOPY", ABORT_JOB_POSTCOPY)
+
+            def interrupt() -> None:
+                guest._domain.abortJobFlags(flag)
+        else:
+            LOG.warning("FlexMig: %s; aborting the precopy", reason)
+            interrupt = guest.abort_job
         try:
-            hypervisor.bounded(guest.abort_job, CALL_TIMEOUT_S, "libvirt to abort the job")
+            hypervisor.bounded(interrupt, CALL_TIMEOUT_S, "libvirt to interrupt the job")
         except (self.libvirt.libvirtError, exceptions.Timeout) as exc:
-            LOG.warning("FlexMig: the abort failed: %s", exc)
+            LOG.warning("FlexMig: the interruption failed: %s", exc)

@@ -135,6 +135,9 @@ def plan(
         store_free_bytes=offer.store_free_bytes,
         split_reserved=offer.split_budget_bytes is not None,
         software=HostSoftware.from_facts(dest_facts),
+        # The same destination facts the agent path reads (DestinationFacts.from_agent):
+        # the store's write rate prices a file-backed guest's writeback at switchover.
+        store_write_bps=_write_bps(dest_facts),
         store_shares_libvirt_fs=dest_facts.get("store_shares_libvirt_fs"),
     )
     try:
@@ -143,6 +146,18 @@ def plan(
         source = planner.SourceFacts(idle_cpus=facts.idle_cpus())
     link = planner.LinkFacts(fabric_bps=fabric)
     return planner.plan(request, vm, dest, link, opts, source=source)
+
+
+def _write_bps(dest_facts: dict[str, Any]) -> float:
+    """The destination store's measured write rate (0: not reported, or not a number).
+
+    >>> _write_bps({"store_write_bps": 5e8}), _write_bps({}), _write_bps({"store_write_bps": "x"})
+    (500000000.0, 0.0, 0.0)
+    """
+    try:
+        return float(dest_facts.get("store_write_bps") or 0.0)
+    except (TypeError, ValueError):
+        return 0.0
 
 
 def _destination_facts(agent: AgentClient) -> dict[str, Any]:

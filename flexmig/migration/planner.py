@@ -153,6 +153,7 @@ class Plan:
         lines += [f"  knob {reason}" for reason in self.knobs.reasons]
         if self.guest_downtime.parts_ms:
             lines.append(f"  guest-observed downtime predicted: {self.guest_downtime.describe()}")
+        lines += [f"  downtime at the destination: {why}" for why in self.guest_downtime.reasons]
         if self.over_budget:
             lines.append(f"  WARNING: {self.over_budget}")
         lines += [f"  note: {note}" for note in self.notes]
@@ -228,6 +229,25 @@ def stream_bandwidth(request: MigrationRequest, link: LinkFacts, opts: EngineOpt
     return bandwidth
 
 
+def destination_writeback(
+    request: MigrationRequest, mem: GuestMemory, dest: DestinationFacts, mode: str
+) -> writeback.SwitchoverWriteback:
+    """What the destination writes back of this guest's memory file inside its downtime.
+
+    A split VM's file holds no more dirty pages than its resident budget.
+    """
+    resident = mem.resident_bytes
+    if mode == "split":
+        resident = min(resident, dest.free_for_vms_bytes)
+    return writeback.switchover_writeback(
+        mem.file_backed,
+        writeback.dirty_at_completion(resident, request.store_writeback),
+        dest.software.qemu,
+        dest.store_shares_libvirt_fs,
+        dest.store_write_bps,
+    )
+
+
 def plan(
     request: MigrationRequest,
     vm: VmFacts,
@@ -296,6 +316,7 @@ def plan(
         bandwidth,
         chosen.postcopy_preempt,
         link.resume_s,
+        destination_writeback(request, mem, dest, decision.mode),
     )
     return Plan(
         request=request,

@@ -17,15 +17,35 @@ both invisible in QEMU's own downtime:
   with the store on a filesystem of its own.
 
 Neither is FlexMig's to change on a host; the plan says so, so an operator
-can (update QEMU, give memory_backing_dir its own filesystem).
+can (update QEMU, give memory_backing_dir its own filesystem), and the
+downtime forecast counts them (``switchover_writeback``).  Both wait for the
+same thing, the memory file's dirty pages reaching the disk, so a guest pays
+it once: to QEMU's msync where QEMU still syncs, else to libvirt's fsync
+where the filesystem is shared, else not at all.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 # QEMU versions in libvirt's encoding (major * 1,000,000 + minor * 1,000 + micro).
 QEMU_SKIPS_VOLATILE_SYNC = 10_000_003
 QEMU_72_STABLE_WITH_FIX = 7_002_019
 LIBVIRT_CONFIG_DIR = "/etc/libvirt"
+MIB = 2**20
+# The share of a file-backed guest's resident memory still dirty in the
+# destination's page cache when the incoming migration completes, while the
+# destination agent's flusher (on by default on both paths: the request's
+# store_writeback, the Nova driver's pre_live_migration) writes the file back
+# every 0.2 s.  Fitted to docs/benchmarks/switchover.md (512 MiB guest with
+# ~240 MiB resident, 100 MiB/s stream, QEMU 10.0.2: msync 158-262 ms at the
+# lab store's ~500 MiB/s durable write rate, i.e. ~100 MiB of 240) and
+# consistent with docs/benchmarks/writeback.md (the flusher left 33 of 86 ms).
+DIRTY_LEFT_WITH_FLUSHER = 0.4
+# A store's durable write rate before its agent has measured one (a SATA
+# SSD; the split decision assumes the same).
+DEFAULT_WRITE_BPS = 400.0 * MIB
+PARTS = ("destination msync", "persist fsync")
 
 
 def qemu_syncs_file_ram(qemu_version: int) -> bool | None:
@@ -63,3 +83,90 @@ def notes(file_backed: bool, qemu_version: int, store_shares_libvirt_fs: bool | 
             "writeback (ext4 data=ordered): give memory_backing_dir a filesystem of its own"
         )
     return out
+
+
+def dirty_at_completion(resident_bytes: int, flusher: bool) -> float:
+    """Bytes of the destination's memory file still dirty when the migration completes.
+
+    Every page the guest had resident arrives in the file; without the
+    agent's flusher none of it has reached the disk yet (a migration lasts
+    well under the kernel's 30 s dirty expiry).
+
+    >>> dirty_at_completion(240 * MIB, flusher=True) / MIB
+    96.0
+    >>> dirty_at_completion(240 * MIB, flusher=False) / MIB
+    240.0
+    """
+    return resident_bytes * (DIRTY_LEFT_WITH_FLUSHER if flusher else 1.0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SwitchoverWriteback:
+    """What the destination writes back inside the downtime, by whom, and why."""
+
+    msync_s: float = 0.0
+    fsync_s: float = 0.0
+    reason: str = ""
+
+    def parts_s(self) -> dict[str, float]:
+        return dict(zip(PARTS, (self.msync_s, self.fsync_s), strict=True))
+
+
+def switchover_writeback(
+    file_backed: bool,
+    dirty_bytes: float,
+    qemu_version: int,
+    store_shares_libvirt_fs: bool | None,
+    write_bps: float,
+) -> SwitchoverWriteback:
+    """The destination's wait for a file-backed guest's dirty memory file.
+
+    ``write_bps``: the destination store's measured durable write rate (its
+    agent's probe, 1 MiB writes then fdatasync); 0: not measured, a SATA
+    SSD's assumed.  Unknown facts (an older agent) add nothing, and say so.
+
+    >>> old, new = 10_000_002, 10_000_013
+    >>> w = switchover_writeback(True, 100 * MIB, old, True, 500 * MIB)
+    >>> round(w.msync_s, 3), w.fsync_s
+    (0.2, 0.0)
+    >>> w = switchover_writeback(True, 100 * MIB, new, True, 500 * MIB)
+    >>> w.msync_s, round(w.fsync_s, 3)
+    (0.0, 0.2)
+    >>> switchover_writeback(True, 100 * MIB, new, False, 500 * MIB).parts_s()
+    {'destination msync': 0.0, 'persist fsync': 0.0}
+    >>> switchover_writeback(False, 0, old, True, 0).reason
+    ''
+    """
+    if not file_backed:
+        return SwitchoverWriteback()
+    rate = write_bps or DEFAULT_WRITE_BPS
+    wait_s = dirty_bytes / rate
+    how = (
+        f"~{dirty_bytes / MIB:,.0f} MiB of the memory file still dirty at "
+        f"{rate / MIB:,.0f} MiB/s ({'measured' if write_bps else 'assumed, not measured'})"
+    )
+    syncs = qemu_syncs_file_ram(qemu_version)
+    if syncs:
+        return SwitchoverWriteback(
+            msync_s=wait_s, reason=f"destination QEMU's msync at completion writes {how}"
+        )
+    if store_shares_libvirt_fs:
+        return SwitchoverWriteback(
+            fsync_s=wait_s,
+            reason=f"libvirt's fsync of the persisted domain waits for {how} (its store "
+            f"shares {LIBVIRT_CONFIG_DIR}'s filesystem)",
+        )
+    if syncs is None:
+        return SwitchoverWriteback(
+            reason="destination's QEMU version unknown: its msync at completion (QEMU before "
+            "10.0.3) not counted"
+        )
+    if store_shares_libvirt_fs is None:
+        return SwitchoverWriteback(
+            reason="destination did not say whether its store shares libvirt's filesystem: "
+            "libvirt's fsync wait not counted"
+        )
+    return SwitchoverWriteback(
+        reason="nothing: the destination's QEMU does not msync and its store has a "
+        "filesystem of its own"
+    )

@@ -112,6 +112,8 @@ class Candidate:
     free_for_vms_bytes: int
     store_free_bytes: int
     refusal: str | None = None  # why this host takes nothing (down, disabled)
+    # Its agent's facts: its QEMU and store price a file-backed guest's switchover.
+    facts: planner.DestinationFacts | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,6 +134,7 @@ class Placement:
     split: bool
     free_bytes: int  # what the destination offers this VM (split: its resident budget + QEMU)
     waits_for: tuple[str, ...] = ()
+    host: planner.DestinationFacts | None = None  # the destination's Candidate.facts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,6 +267,7 @@ def _place_in_order(
     usable = [c for c in candidates if c.refusal is None]
     free = {c.name: c.free_for_vms_bytes for c in usable}
     store = {c.name: c.store_free_bytes for c in usable}
+    facts = {c.name: c.facts for c in usable}
     placed: list[Placement] = []
     deferred: list[DrainVM] = []
     for vm in vms:
@@ -273,7 +277,7 @@ def _place_in_order(
             deferred.append(vm)
             continue
         dest = max(fits, key=lambda name: free[name])
-        placed.append(Placement(vm.name, dest, split=False, free_bytes=free[dest]))
+        placed.append(Placement(vm.name, dest, False, free[dest], host=facts[dest]))
         # The agents' accounting: a landed VM takes its RAM from what the host
         # offers; QEMU's own memory is asked of the incoming VM only.
         free[dest] -= vm.ram_bytes
@@ -288,7 +292,7 @@ def _place_in_order(
             )
             continue
         waits = tuple(p.vm for p in placed if p.dest == dest)
-        placed.append(Placement(vm.name, dest, True, free_bytes=free[dest], waits_for=waits))
+        placed.append(Placement(vm.name, dest, True, free[dest], waits, facts[dest]))
         free[dest], store[dest] = 0, store[dest] - vm.ram_bytes
     return placed, refused
 
@@ -314,9 +318,11 @@ def _engine_plan(
     return planner.plan(
         vm.request(),
         vm.facts,
-        planner.DestinationFacts(
+        dataclasses.replace(
+            placement.host or planner.DestinationFacts(0, 0),
             free_for_vms_bytes=placement.free_bytes,
             store_free_bytes=vm.ram_bytes if placement.split else 0,
+            split_reserved=None,
         ),
         planner.LinkFacts(stream_bps=bw, setup_s=fabric.setup_s, switchover_s=fabric.switchover_s),
         opts,

@@ -6,7 +6,11 @@ The workloads and fixed strategies of ``bench_modes`` (nova-default,
 always-postcopy, at the same 100 MiB/s cap), against flexmig-auto with every
 knob its plan picks on these hosts.  For flexmig: the guest's longest
 heartbeat gap beside QEMU's downtime, the plan's forecast of the gap and its
-parts, and the knobs it used.
+parts, and the knobs it used.  ``file``: a file-backed guest (as
+``switchover_trace``'s and ``bench_split``'s), whose switchover the
+destination's QEMU and store layout lengthen (FLEXMIG_LAB_QEMU,
+FLEXMIG_LAB_STORE); postcopy cannot serve its memory file, so no
+always-postcopy for it.
 """
 
 from __future__ import annotations
@@ -15,7 +19,9 @@ import argparse
 import datetime
 import math
 import os
+import signal
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -25,8 +31,20 @@ from flexmig_lab.lab import Lab
 from tests.bench import bench_modes
 
 DEFAULT_OUT = Path("docs/benchmarks/downtime.md")
-WORKLOADS = ("idle", "moderate", "hot")
+# The file-backed and hot guests first: a hold cut short still measured them.
+WORKLOADS = ("file", "hot", "idle", "moderate")
 STRATEGIES = ("nova-default", "always-postcopy", "flexmig-auto")
+FILE_BACKED = dict(ram="512M", workload="dirtier:wss=200M,rate=2000", memory_backing="file")
+LAB_ENV = ("FLEXMIG_LAB_QEMU", "FLEXMIG_LAB_STORE", "FLEXMIG_LAB_LIBVIRT")
+
+
+def spec(workload: str) -> dict:
+    return FILE_BACKED if workload == "file" else bench_modes.WORKLOADS[workload]
+
+
+def strategies(workload: str) -> tuple[str, ...]:
+    # userfaultfd cannot serve a memory file on the store's ext4: no postcopy.
+    return tuple(s for s in STRATEGIES if workload != "file" or s != "always-postcopy")
 
 
 def run_flexmig(lab: Lab, name: str) -> dict:
@@ -59,7 +77,7 @@ def run_flexmig(lab: Lab, name: str) -> dict:
 def one_run(lab: Lab, workload: str, strategy: str) -> dict:
     name = f"d-{workload[:5]}-{strategy[:5]}"
     lab.set_budget("B", 4096)
-    vm.create(lab, "A", name=name, **bench_modes.WORKLOADS[workload])
+    vm.create(lab, "A", name=name, **spec(workload))
     try:
         time.sleep(3)  # the working set dirtied, as in bench_modes
         if strategy == "flexmig-auto":
@@ -95,31 +113,51 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     args = parser.parse_args()
+    # A timeout's SIGTERM still takes the lab down (finally) and keeps the table.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     image.build()
     lab = Lab()
     lab.down()
+    started = (datetime.datetime.now(datetime.UTC), os.getloadavg()[0])
     lab.up(2)
-    lines = []
+    lines: list[str] = []
+    software: dict = {}
     try:
-        software = lab.agent("A").get("/v1/facts")
+        software = lab.agent("B").get("/v1/facts")  # the destination
         for workload in args.workloads.split(","):
-            runs: dict[str, list] = {s: [] for s in STRATEGIES}
+            runs: dict[str, list] = {s: [] for s in strategies(workload)}
             for _ in range(args.repeat):
-                for strategy in STRATEGIES:  # interleaved: a noisy spell hits all
+                for strategy in runs:  # interleaved: a noisy spell hits all
                     runs[strategy].append(one_run(lab, workload, strategy))
-            for strategy in STRATEGIES:
+            for strategy in runs:
                 lines.append(row(workload, strategy, runs[strategy]))
                 print(lines[-1], flush=True)
+            write(args, started, software, lines)  # what a cut-short hold measured is kept
     finally:
         lab.down()
+    write(args, started, software, lines)
+
+
+def write(args: argparse.Namespace, started: tuple, software: dict, lines: list[str]) -> None:
     libvirt_v = software.get("libvirt_version", 0)
+    env = " ".join(f"{k}={os.environ[k]}" for k in LAB_ENV if os.environ.get(k))
+    ended = datetime.datetime.now(datetime.UTC)
     header = [
         f"# Guest-observed downtime, predicted and measured ({datetime.date.today()})",
         "",
-        "Command: `FLEXMIG_LAB_LIBVIRT=backports .venv/bin/python -m "
-        f"tests.bench.bench_downtime --repeat {args.repeat}`",
+        f"Command: `{env + ' ' if env else ''}.venv/bin/python -m "
+        f"tests.bench.bench_downtime --repeat {args.repeat}"
+        + (f" --workloads {args.workloads}" if args.workloads != ",".join(WORKLOADS) else "")
+        + (f" --out {args.out}`" if args.out != DEFAULT_OUT else "`")
+        + f" ({started[0]:%H:%M}-{ended:%H:%M} UTC, load average {started[1]:.1f} at the "
+        f"start)",
         "",
-        f"Lab: 2 hosts, 512 MiB TCG guests (bench_modes' workloads), stream capped at "
+        f"Destination store: shares /etc/libvirt's filesystem: "
+        f"{software.get('store_shares_libvirt_fs')}; measured write rate "
+        f"{(software.get('store_write_bps') or 0) / 2**20:,.0f} MiB/s (agent facts).",
+        "",
+        "Lab: 2 hosts, 512 MiB TCG guests (bench_modes' workloads; file: "
+        f"{FILE_BACKED['workload']}, file-backed), stream capped at "
         f"{bench_modes.BANDWIDTH_MIB} MiB/s for every strategy; libvirt "
         f"{libvirt_v // 1_000_000}.{libvirt_v // 1000 % 1000}, QEMU "
         f"{bench_modes._lab_qemu_version()}. Medians of {args.repeat} run(s); load average "

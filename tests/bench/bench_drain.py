@@ -370,9 +370,14 @@ def main() -> None:
     write(args, [s for s in STRATEGIES if s in results], results)
 
 
+LAB_ENV = ("FLEXMIG_LAB_QEMU", "FLEXMIG_LAB_STORE", "FLEXMIG_LAB_LIBVIRT")
+
+
 def command_line() -> str:
     """How this run was started (a lock the caller held around it is not seen here)."""
-    return shlex.join([".venv/bin/python", "-m", "tests.bench.bench_drain", *sys.argv[1:]])
+    # The lab's QEMU and store layout change every file-backed guest's switchover.
+    env = [f"{k}={os.environ[k]}" for k in LAB_ENV if os.environ.get(k)]
+    return shlex.join([*env, ".venv/bin/python", "-m", "tests.bench.bench_drain", *sys.argv[1:]])
 
 
 def write(args, strategies, results) -> None:

@@ -199,9 +199,9 @@ def test_counts_go_on_exactly_across_a_clean_sigterm_restart(clab):
     elephants = [Flow(eps, ("s1", "s2")[i % 2], 42300 + i, 9700 + i) for i in range(3)]
     mice = [Flow(eps, ("s1", "s2")[i % 2], 42310 + i, 9710 + i) for i in range(6)]
     for flow in elephants:
-        flow.listen(4000 + 200 + 2000, idle_ms=30_000)  # through the restart's silence
+        flow.listen(4000 + 200 + 2000 + 50, idle_ms=30_000)  # through the restart's silence
     for flow in mice:
-        flow.listen(300 + 2000, idle_ms=30_000)
+        flow.listen(300 + 2000 + 50, idle_ms=30_000)
     together = [threading.Thread(target=send_all, args=(elephants, 4000, 4000))]
     together.append(threading.Thread(target=send_all, args=(mice, 300, 0)))
     for thread in together:
@@ -215,8 +215,16 @@ def test_counts_go_on_exactly_across_a_clean_sigterm_restart(clab):
     service.start(ELEPHANT_POLICY)  # SIGTERM, then a new run (waits until it judges)
     assert service.status()["flows"] == []  # nothing seen yet: the counts wait in the file
     send_all(elephants + mice, 2000, rate=0)  # bursts at the flows' (second) start
-    shown = wait_settled(service, {f.key for f in elephants + mice})
-    assert all(shown.get(k, 0) >= v for k, v in before.items()), (before, shown)
+    # ... and go on, as flows do: nine unpaced bursts at once can overflow the
+    # bridge's packet-in queue for the whole of one flow's burst (seen in CI on a
+    # busy machine), so the app would never see that flow again without this.
+    send_all(elephants + mice, 50, rate=250)
+    shown = wait_settled(service, {f.key for f in elephants + mice}, timeout=15.0)
+    short = {k: (v, shown.get(k, 0)) for k, v in before.items() if shown.get(k, 0) < v}
+    received = {f.key: f.received() for f in elephants + mice}
+    assert (
+        not short
+    ), f"counted less after the restart than before (before, after): {short}; received {received}"
     check_exact(elephants + mice, shown)
 
 

@@ -1,5 +1,6 @@
 """The drain planner on worked examples (flexmig.policy.drain, drain_schedule)."""
 
+import dataclasses
 import itertools
 import random
 
@@ -7,6 +8,7 @@ import pytest
 
 from flexmig import exceptions
 from flexmig.migration import planner
+from flexmig.migration.knobs import HostSoftware
 from flexmig.migration.options import EngineOptions
 from flexmig.migration.request import MigrationRequest
 from flexmig.policy import drain, drain_schedule
@@ -283,3 +285,26 @@ def test_a_split_vm_that_must_run_solo_waits_at_the_end_not_at_the_head(free_mib
     last = p.moves[-1]
     assert (last.vm, last.mode, last.solo) == ("big", "split", True), p.explain()
     assert all(m.end_s <= last.start_s + 1e-9 for m in p.moves[:-1])
+
+
+def test_each_destinations_qemu_and_store_price_a_file_backed_guests_switchover():
+    # B runs QEMU 10.0.2 (msyncs file-backed RAM at completion); C a fixed QEMU
+    # with its store on a filesystem of its own: the same VM costs more on B.
+    old = planner.DestinationFacts(
+        0, 0, store_write_bps=100 * MIB, software=HostSoftware(11_003_000, 10_000_002)
+    )
+    new = dataclasses.replace(
+        old, software=HostSoftware(11_003_000, 10_000_013), store_shares_libvirt_fs=False
+    )
+    at_b = drain.plan("A", [vm("a")], [drain.Candidate("B", 4096 * MIB, 0, facts=old)], FAST)
+    at_c = drain.plan("A", [vm("a")], [drain.Candidate("C", 4096 * MIB, 0, facts=new)], FAST)
+    parts_b = at_b.moves[0].plan.guest_downtime.parts_ms
+    parts_c = at_c.moves[0].plan.guest_downtime.parts_ms
+    # 64 MiB touched, 40 % left dirty by the flusher, at B's 100 MiB/s: ~256 ms.
+    assert parts_b["destination msync"] == pytest.approx(256, abs=1)
+    assert parts_c["destination msync"] == parts_c["persist fsync"] == 0
+    assert at_b.moves[0].guest_gap_ms > at_c.moves[0].guest_gap_ms + 250
+    # Without the destination's facts (an older agent) the part is not guessed.
+    unknown = drain.plan("A", [vm("a")], [host("B")], FAST).moves[0].plan
+    assert unknown.guest_downtime.parts_ms["destination msync"] == 0
+    assert "version unknown" in unknown.explain()

@@ -109,7 +109,9 @@ class FakeAgent:
 
 
 LIBVIRT_VERSION, QEMU_VERSION = 11_003_000, 10_000_002  # the lab's backports
-SOFTWARE = {"libvirt_version": LIBVIRT_VERSION, "qemu_version": QEMU_VERSION}
+# The lab's default layout: the store on /etc/libvirt's filesystem, probed at 500 MiB/s.
+STORE = {"store_write_bps": 500.0 * MIB, "store_shares_libvirt_fs": True}
+SOFTWARE = {"libvirt_version": LIBVIRT_VERSION, "qemu_version": QEMU_VERSION} | STORE
 
 
 @pytest.fixture(autouse=True)
@@ -124,7 +126,7 @@ def instant_sampling(monkeypatch):
 OPTS = EngineOptions(dirty_sample_seconds=(1, 2))
 
 
-def _agent_plan(guest: Guest, dest_free_mib: int, store, monkeypatch, **asked):
+def _agent_plan(guest: Guest, dest_free_mib: int, store, monkeypatch, dest_facts=None, **asked):
     dom = FakeDomain(guest)
     monkeypatch.setattr(
         migrations.hypervisor, "connect", lambda uri, host: _context(FakeConnection(dom))
@@ -141,7 +143,8 @@ def _agent_plan(guest: Guest, dest_free_mib: int, store, monkeypatch, **asked):
     memory_file = str(store / "libvirt" / "qemu" / "vm1.ram") if guest.file_backed else None
     service.ram_mapping = lambda vm, ram: (memory_file, guest.resident_mib * MIB)
     dest_agent = FakeAgent(
-        {"free_for_vms_bytes": dest_free_mib * MIB, "store_free_bytes": 8 << 30} | SOFTWARE
+        {"free_for_vms_bytes": dest_free_mib * MIB, "store_free_bytes": 8 << 30}
+        | (dest_facts or SOFTWARE)
     )
     dest = migrations.Destination(dest_agent, "qemu+tcp://b/system", "tcp://b")  # type: ignore[arg-type]
     return service.plan(MigrationRequest(vm="vm1", **asked), dest)
@@ -224,3 +227,29 @@ def test_both_paths_refuse_the_same_vm_with_the_same_reasons(tmp_path, monkeypat
         _nova_plan(anonymous, 400, tmp_path, split_reserved=False)
     assert by_agent.value.reasons[0] == by_nova.value.reasons[0]
     assert "not file-backed" in by_agent.value.reasons[1]
+
+
+@pytest.mark.parametrize(
+    ("qemu", "shares", "part"),
+    [
+        (QEMU_VERSION, True, "destination msync"),  # 10.0.2 msyncs file-backed RAM
+        (10_000_013, True, "persist fsync"),  # fixed QEMU, libvirt's fsync waits instead
+        (10_000_013, False, None),  # a current host: nothing to wait for
+    ],
+)
+def test_both_paths_forecast_the_destinations_writeback_the_same(
+    tmp_path, monkeypatch, qemu, shares, part
+):
+    dest = SOFTWARE | {"qemu_version": qemu, "store_shares_libvirt_fs": shares}
+    monkeypatch.setattr(AgentClient, "get", lambda self, path, **kw: dict(dest))
+    agent = _agent_plan(Guest(), 4096, tmp_path, monkeypatch, dest_facts=dest)
+    nova = _nova_plan(Guest(), 4096, tmp_path, split_reserved=False)
+    assert agent.guest_downtime == nova.guest_downtime
+    parts = agent.guest_downtime.parts_ms
+    if part is None:
+        assert parts["destination msync"] == parts["persist fsync"] == 0
+        assert "filesystem of its own" in agent.explain()
+        return
+    # 200 MiB resident, 40 % left dirty by the flusher, at the probed 500 MiB/s.
+    assert parts[part] == pytest.approx(160, abs=1)
+    assert f"{part} 160" in nova.explain()

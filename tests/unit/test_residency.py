@@ -93,31 +93,49 @@ class _Child:
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="page frame numbers and process_madvise need root")
 def test_written_back_chunks_are_dropped_from_the_process_and_their_data_kept(tmp_path):
-    path = tmp_path / "guest.ram"
-    child = _Child(path, 8 * MIB)
-    try:
-        ram = residency.GuestRam.find(child.pid, 8 * MIB)
-        assert ram.address == child.address and ram.path == str(path)
-        fds = [os.open(path, os.O_RDONLY), os.pidfd_open(child.pid)]
-        fds += [os.open(f"/proc/{child.pid}/pagemap", os.O_RDONLY)]
-        fds += [os.open("/proc/kpageflags", os.O_RDONLY)]
+    # The kernel's flusher may write the file back on its own (another process's
+    # dirty data over the background threshold, as on a busy CI host): an attempt
+    # it got to first says nothing, so a fresh child tries again.
+    for _ in range(5):
+        path = tmp_path / "guest.ram"
+        child = _Child(path, 8 * MIB)
         try:
-            scan = ram.scan(fds[2], fds[3])
-            assert scan.resident == [256] * 8
-            assert scan.dirty == set(range(8))  # written, never written back
-            ram.write_back(fds[0], [1, 2, 5], wait=True)
-            assert ram.scan(fds[2], fds[3]).dirty == {0, 3, 4, 6, 7}
-            assert ram.page_out(fds[1], [1, 2, 5]) == 3 * MIB
-            after = ram.scan(fds[2], fds[3])
-            assert after.resident[1] == after.resident[2] == after.resident[5] == 0
-            assert after.resident[0] == 256
+            if _write_back_and_page_out(child, path):
+                break
         finally:
-            for fd in fds:
-                os.close(fd)
-    finally:
-        child.stop()
+            child.stop()
+    else:
+        pytest.fail("the flusher wrote the file back before every one of 5 scans")
     data = path.read_bytes()  # what was dropped is in the file
     assert all(int.from_bytes(data[o : o + 8], "little") == o for o in range(0, 8 * MIB, 4096))
+
+
+def _write_back_and_page_out(child, path):
+    """False if the flusher cleaned chunks before their scan."""
+    ram = residency.GuestRam.find(child.pid, 8 * MIB)
+    assert ram.address == child.address and ram.path == str(path)
+    fds = [os.open(path, os.O_RDONLY), os.pidfd_open(child.pid)]
+    fds += [os.open(f"/proc/{child.pid}/pagemap", os.O_RDONLY)]
+    fds += [os.open("/proc/kpageflags", os.O_RDONLY)]
+    try:
+        scan = ram.scan(fds[2], fds[3])
+        assert scan.resident == [256] * 8
+        assert scan.dirty <= set(range(8))
+        if scan.dirty != set(range(8)):  # written, never written back: unless the flusher came
+            return False
+        ram.write_back(fds[0], [1, 2, 5], wait=True)
+        dirty = ram.scan(fds[2], fds[3]).dirty
+        assert not dirty & {1, 2, 5}, dirty  # those are clean whatever else happened
+        if dirty != {0, 3, 4, 6, 7}:
+            return False
+        assert ram.page_out(fds[1], [1, 2, 5]) == 3 * MIB
+        after = ram.scan(fds[2], fds[3])
+        assert after.resident[1] == after.resident[2] == after.resident[5] == 0
+        assert after.resident[0] == 256
+        return True
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def test_find_names_a_process_without_such_a_mapping():

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+import pytest
+
 from flexmig.migration import planner, writeback
 from flexmig.migration.facts import same_filesystem
 from flexmig.migration.knobs import HostSoftware
@@ -67,3 +69,47 @@ def test_the_agent_reports_whether_its_store_shares_libvirts_filesystem(tmp_path
         ).store_shares_libvirt_fs
         is None
     )
+
+
+def _forecast(software: HostSoftware, shares: bool | None, **request) -> planner.Plan:
+    dest = planner.DestinationFacts(
+        4096 * MIB,
+        8192 * MIB,
+        store_write_bps=500 * MIB,
+        software=software,
+        store_shares_libvirt_fs=shares,
+    )
+    return planner.plan(
+        MigrationRequest(vm="vm", **request),
+        vm_facts(file_backed=True),
+        dest,
+        planner.LinkFacts(fabric_bps=300 * MIB),
+        EngineOptions(),
+    )
+
+
+def test_the_forecast_counts_the_destinations_writeback_once_and_explains_it():
+    old_shared = _forecast(UNFIXED_QEMU, True)
+    parts = old_shared.guest_downtime.parts_ms
+    # 200 MiB resident, 40 % left by the flusher, 500 MiB/s: paid to the msync only.
+    assert parts["destination msync"] == 160 and parts["persist fsync"] == 0
+    assert "downtime at the destination: destination QEMU's msync" in old_shared.explain()
+    fixed_shared = _forecast(FIXED_QEMU, True).guest_downtime.parts_ms
+    assert fixed_shared["persist fsync"] == 160 and fixed_shared["destination msync"] == 0
+    current = _forecast(FIXED_QEMU, False)
+    assert current.guest_downtime.total_ms == pytest.approx(
+        old_shared.guest_downtime.total_ms - 160
+    )
+    # Without the flusher every resident page is still dirty at completion.
+    no_flusher = _forecast(UNFIXED_QEMU, True, store_writeback=False).guest_downtime
+    assert no_flusher.parts_ms["destination msync"] == 400
+
+
+def test_anonymous_memory_has_nothing_to_write_back():
+    dest = planner.DestinationFacts(4096 * MIB, 8192 * MIB, software=UNFIXED_QEMU)
+    vm = vm_facts(file_backed=False)
+    plan = planner.plan(
+        MigrationRequest(vm="vm"), vm, dest, planner.LinkFacts(300 * MIB), EngineOptions()
+    )
+    assert plan.guest_downtime.parts_ms["destination msync"] == 0
+    assert plan.guest_downtime.reasons == ()
