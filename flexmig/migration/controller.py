@@ -7,8 +7,8 @@ Guest) feed it libvirt's job statistics and carry out the actions it returns:
 - the plan's switch to postcopy once its precopy rounds are done;
 - the in-flight correction when the stream is slower than planned
   (``flexmig.policy.inflight``: switch, raise the downtime limit, stop and copy,
-  the last also once the budget has been in force for ``converge_timeout``
-  without the remainder fitting it);
+  the last also ``converge_timeout`` after the correction engaged if the
+  remainder still does not fit);
 - the stall watchdog: no bytes moved for ``stall_timeout`` interrupts the job
   (the executor aborts a precopy; a postcopy it pauses for recovery where it
   can recover one, and otherwise leaves to libvirt and QEMU).
@@ -69,7 +69,7 @@ class Controller:
         self.converge_timeout_s = converge_timeout_s
         self.limit_ms = plan.decision.max_downtime_ms
         self.budget_ms = max(plan.downtime_budget_ms, plan.decision.max_downtime_ms)
-        self._budget_since: float | None = None  # when the limit became the budget
+        self._correcting_since: float | None = None  # when the correction engaged
         self.switched = False
         self.stopped = False  # the guest is paused for stop-and-copy
         self._last_processed = -1
@@ -98,21 +98,24 @@ class Controller:
 
     def _correction(self, stats: dict[str, int], now: float) -> list[Action]:
         decision = self.plan.decision
-        if self._budget_since is None and self.limit_ms >= self.budget_ms:
-            self._budget_since = now
+        progress = inflight.Progress(
+            iteration=stats.get("memory_iteration", 0),
+            processed_bytes=stats.get("memory_processed", 0),
+            remaining_bytes=stats.get("memory_remaining", 0),
+            ram_bytes=decision.ram_bytes,
+            bandwidth_bps=float(stats.get("memory_bps", 0)),
+        )
+        planned = len(decision.prediction.rounds)
+        if self._correcting_since is None and inflight.behind(progress, planned, self.limit_ms):
+            self._correcting_since = now  # converge_timeout runs from here
+        since = self._correcting_since
         change = inflight.adjust(
-            inflight.Progress(
-                iteration=stats.get("memory_iteration", 0),
-                processed_bytes=stats.get("memory_processed", 0),
-                remaining_bytes=stats.get("memory_remaining", 0),
-                ram_bytes=decision.ram_bytes,
-                bandwidth_bps=float(stats.get("memory_bps", 0)),
-            ),
-            planned_rounds=len(decision.prediction.rounds),
+            progress,
+            planned_rounds=planned,
             limit_ms=self.limit_ms,
             budget_ms=self.budget_ms,
             postcopy_enabled=decision.transfer == "postcopy",
-            budget_held_s=0.0 if self._budget_since is None else now - self._budget_since,
+            correcting_s=0.0 if since is None else now - since,
             converge_timeout_s=self.converge_timeout_s,
         )
         kind = {

@@ -99,13 +99,13 @@ migration_opts = [
         default=30.0,
         min=1.0,
         max=3600.0,
-        help="Seconds a precopy may go on with the whole downtime budget as its "
-        "limit and its remainder still too large for it (a stream no faster "
-        "than the guest dirties memory, e.g. a split destination faulting "
-        "pages back from its store) before the guest is paused so the rest "
-        "moves while it is stopped (seed 000's stop-and-copy; the downtime "
-        "then exceeds the budget, and the log says by how much). On the Nova "
-        "path this replaces Nova's completion timeout.",
+        help="Seconds a precopy may stay behind (its plan's rounds past, its "
+        "remainder too large for the downtime limit, e.g. a stream no faster "
+        "than the guest dirties memory, as a split destination faulting pages "
+        "back from its store) after the in-flight correction engaged, before "
+        "the guest is paused so the rest moves while it is stopped (seed 000's "
+        "stop-and-copy; the downtime then exceeds the budget, and the log says "
+        "by how much). On the Nova path this replaces Nova's completion timeout.",
     ),
     cfg.FloatOpt(
         "recovery_timeout",
