@@ -34,6 +34,8 @@ QEMU_MOVING = frozenset(
     {"postcopy-active", "postcopy-recover-setup", "postcopy-recover", "device", "completed"}
 )
 WAIT_POLL_S = 1.0
+# libvirt's refusal while another thread (a stuck resume call) owns the job.
+STUCK_JOB = "is being actively monitored by another thread"
 
 # Between resume attempts: long enough for a daemon or link to come back, short
 # enough that a 2 s cut costs about that; doubled per failure, capped.
@@ -135,7 +137,7 @@ def given_up(timeout_s: float, attempts: int, last_error: str, dest_libvirt_uri:
     qemu+tcp://b/system <a migration URI that reaches the destination QEMU, e.g.
     tcp://<destination>>
     """
-    return (
+    text = (
         f"postcopy could not be resumed within {timeout_s:.0f} s ({attempts} attempts; "
         f"last: {last_error or 'none made'}); the VM is paused on both hosts, its memory "
         "split between them, and nothing was destroyed: it is recoverable. Once the link "
@@ -143,3 +145,11 @@ def given_up(timeout_s: float, attempts: int, last_error: str, dest_libvirt_uri:
         f"--postcopy-resume <vm> {dest_libvirt_uri} <a migration URI that reaches the "
         "destination QEMU, e.g. tcp://<destination>>"
     )
+    if STUCK_JOB in last_error:
+        text += (
+            ". libvirt's own resume call is stuck and holds the VM's migration job "
+            "(seen with libvirt 9.0 and QEMU >= 9.1, whose postcopy-recover-setup state "
+            "it does not know): restart libvirtd on the source host first (running "
+            "domains are kept)"
+        )
+    return text

@@ -220,3 +220,9 @@ def test_a_resume_call_libvirt_never_ends_is_not_the_end_of_recovery(monkeypatch
     job._recover()
     assert job.result.state == "completed" and len(started) == 2
     assert any("did not end within" in e for e in events)
+
+
+def test_a_job_held_by_a_stuck_resume_call_says_to_restart_libvirtd():
+    stuck = "Requested operation is not valid: migration of domain vm1 " + recovery.STUCK_JOB
+    assert "restart libvirtd on the source" in recovery.given_up(120, 7, stuck, "qemu+tcp://b")
+    assert "restart libvirtd" not in recovery.given_up(120, 7, "connection refused", "x")
