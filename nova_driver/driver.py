@@ -43,11 +43,12 @@ from agents.agent.client import AgentClient
 from flexmig import exceptions
 from flexmig.migration import knobs
 from flexmig.migration import options as migration_options
+from flexmig.migration.libvirt_job import JobConfig
 from flexmig.migration.planner import Plan
 from flexmig.policy.decision import split_budget
 from flexmig.policy.transport import choose_transport
 from nova_driver import conf as flexmig_conf
-from nova_driver import monitor, planning
+from nova_driver import monitor, planning, postcopy
 from nova_driver.migrate_data import (
     DestinationOffer,
     FlexMigLiveMigrateData,
@@ -83,12 +84,14 @@ class PlannedGuest:
         self._guest = guest
         self._plan = plan
         self._migrate_uri = migrate_uri
+        self.flags_used: int | None = None  # what a postcopy resume repeats
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._guest, name)
 
     def migrate(self, destination: str, **kwargs: Any) -> None:
         kwargs["flags"] = self._plan.merged_flags(kwargs.get("flags", 0), _libvirt())
+        self.flags_used = kwargs["flags"]
         kwargs["parallel"] = self._plan.parallel
         if self._migrate_uri:
             kwargs["migrate_uri"] = self._migrate_uri
@@ -132,6 +135,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         super().__init__(virtapi, read_only)
         self._flexmig_plans: dict[str, Plan] = {}
         self._flexmig_uris: dict[str, str] = {}  # instance: the movers' URI
+        self._flexmig_guests: dict[str, PlannedGuest] = {}  # instance: its migrating guest
         # Instances whose offloaded flows the local agent is moving: the body
         # that names the migration and its destination agent.
         self._flexmig_flows: dict[str, dict[str, Any]] = {}
@@ -472,15 +476,11 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
                 context, instance, dest, block_migration, migrate_data, guest, device_names
             )
             return
+        planned = PlannedGuest(guest, plan, self._flexmig_uris.get(instance.uuid))
+        self._flexmig_guests[instance.uuid] = planned
         try:
             super()._live_migration_operation(
-                context,
-                instance,
-                dest,
-                block_migration,
-                migrate_data,
-                PlannedGuest(guest, plan, self._flexmig_uris.get(instance.uuid)),
-                device_names,
+                context, instance, dest, block_migration, migrate_data, planned, device_names
             )
         except Exception as exc:  # noqa: BLE001 - the job's state decides, not the call
             # As Nova's own comment there says, what migrateToURI3 raises is
@@ -529,6 +529,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             CONF.libvirt.live_migration_monitor_interval,
             self.active_migrations,
             opts.setup_timeout_s,
+            opts.converge_timeout_s,
         )
         outcome = {"ok": False}
 
@@ -538,8 +539,14 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             post_method(context, instance, dest, block_migration, migrate_data)
 
         def failed(_info: Any, status: str | None) -> None:
-            self._finish_movers(offer_of(migrate_data), ok=False)
             outcome["ok"] = None  # finished already
+            if watch.control.switched:
+                # Nova's rollback would destroy the destination's half of the VM.
+                self._resume_postcopy(instance, guest, dest, plan, migrate_data)
+                outcome["ok"] = True
+                post_method(context, instance, dest, block_migration, migrate_data)
+                return
+            self._finish_movers(offer_of(migrate_data), ok=False)
             extra = {"migration_status": status} if status else {}
             recover_method(context, instance, dest, migrate_data, **extra)
 
@@ -548,7 +555,52 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         finally:
             if outcome["ok"] is False:  # the watch itself raised
                 self._finish_movers(offer_of(migrate_data), ok=False)
+            self._flexmig_guests.pop(instance.uuid, None)
             self._clear_empty_migration(instance)
+
+    def _resume_postcopy(
+        self, instance: Any, guest: Any, dest: str, plan: Plan, migrate_data: Any
+    ) -> None:
+        """The engine's postcopy recovery (nova_driver/postcopy.py); raises
+        PostcopyNotRecovered when out of time (Nova: ERROR, no rollback)."""
+        opts = migration_options.read(CONF)
+        offer = offer_of(migrate_data)
+        # Where Nova's own migration pointed QEMU (its _live_migration_operation).
+        is_set = getattr(migrate_data, "obj_attr_is_set", lambda _f: False)
+        connect = migrate_data.target_connect_addr if is_set("target_connect_addr") else None
+        pairs = None
+        if offer is not None and offer.mover is not None:
+            dest_agent = planning.destination_agent(
+                offer, CONF.flexmig.agent_timeout, CONF.flexmig.agent_ca_file
+            )
+            pairs = postcopy.AgentMoverPairs(
+                self._local_agent(), dest_agent, offer.mover.migration_id
+            )
+        planned = self._flexmig_guests.get(instance.uuid)
+        config = JobConfig(
+            dest_libvirt_uri=self._live_migration_uri(dest),
+            migration_uri=self._flexmig_uris.get(instance.uuid)
+            or self._migrate_uri(connect or dest)
+            or "",
+            stall_timeout_s=opts.stall_timeout_s,
+            setup_timeout_s=opts.setup_timeout_s,
+            recovery_timeout_s=opts.recovery_timeout_s,
+            reopen_transport=pairs.reopen if pairs is not None else None,
+            flags=planned.flags_used if planned is not None else None,
+        )
+        LOG.warning("FlexMig: postcopy broke; resuming it", instance=instance)
+        result = postcopy.resume(
+            guest._domain,
+            CONF.host,
+            plan,
+            config,
+            lambda text: LOG.info("FlexMig postcopy recovery: %s", text, instance=instance),
+        )
+        if pairs is not None:
+            pairs.finish(ok=result.state == "completed")
+        if result.state != "completed":
+            raise postcopy.PostcopyNotRecovered(vm=instance.name, reason=result.error)
+        LOG.info("FlexMig: postcopy resumed and completed", instance=instance)
 
     def _set_downtime(self, guest: Any, plan: Plan, instance: Any) -> None:
         """The decision's downtime limit, once, instead of Nova's stepped increase."""

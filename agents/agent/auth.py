@@ -37,14 +37,16 @@ SCOPE_RE = re.compile(
 )
 # What a migration-scoped credential may read: liveness, host facts, the
 # fabric probe and split status.  The changes it may make: releasing its own
-# VM's split reservation and finishing its own migration's receiving movers
-# (both checked against the body).
+# VM's split reservation, finishing its own migration's receiving movers, and
+# starting and finishing the fresh pairs a postcopy resume of that migration
+# needs (all checked against the body).
 SCOPED_READS = tuple(
     re.compile(p)
     for p in (r"^/v1/health$", r"^/v1/facts$", r"^/v1/probe/[0-9]{1,3}$", r"^/v1/split/[^/]+$")
 )
 SCOPED_RELEASE = "/v1/split/cleanup"
 SCOPED_MOVER_FINISH = "/v1/mover/finish"
+SCOPED_MOVER_RECEIVE = "/v1/mover/receive"
 MIN_KEY_BYTES = 16
 
 
@@ -186,14 +188,39 @@ def mover_id(migration_id: str) -> str:
 
 
 def _finishes_own_movers(method: str, path: str, body: bytes, scope_id: str) -> bool:
-    if method != "POST" or path != SCOPED_MOVER_FINISH:
+    if method != "POST" or path not in (SCOPED_MOVER_FINISH, SCOPED_MOVER_RECEIVE):
         return False
     try:
         request = json.loads(body)
     except ValueError:
         return False
-    own = {"migration_id": mover_id(scope_id)}
-    return request in (own, own | {"abort": True})
+    if not isinstance(request, dict):
+        return False
+    mid = request.get("migration_id")
+    if path == SCOPED_MOVER_RECEIVE:
+        # Only a resume's fresh pair: the first one the destination started itself.
+        extra = {"token_salt", "streams"}
+        return is_resume_mover_id(mid, scope_id) and set(request) - {"migration_id"} <= extra
+    own = mid == mover_id(scope_id) or is_resume_mover_id(mid, scope_id)
+    return (
+        own and set(request) - {"migration_id"} <= {"abort"} and request.get("abort", True) is True
+    )
+
+
+def is_resume_mover_id(mid: object, scope_id: str) -> bool:
+    """Whether ``mid`` names a postcopy resume's pair of the scope's migration
+    (``recovery.resume_transport_id``: its mover id and a 4-digit attempt).
+
+    >>> is_resume_mover_id("5f0c0001", "5f0c"), is_resume_mover_id("5f0c", "5f0c")
+    (True, False)
+    >>> is_resume_mover_id("5f0c00zz", "5f0c"), is_resume_mover_id("5f0c0000", "5f0c")
+    (False, False)
+    """
+    base = mover_id(scope_id)
+    if not isinstance(mid, str) or len(mid) != len(base) + 4 or not mid.startswith(base):
+        return False
+    attempt = mid[len(base) :]
+    return all(c in "0123456789abcdef" for c in attempt) and int(attempt, 16) >= 1
 
 
 def load_key(path: str) -> bytes:

@@ -19,8 +19,9 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from agents.agent import auth, inventory, movers, privileged
+from agents.agent import inventory, movers, privileged
 from agents.agent.client import AgentClient
+from agents.agent.mover_pairs import MoverPairs
 from agents.agent.offload_hook import OffloadHook
 from flexmig import exceptions, hypervisor
 from flexmig.migration import downtime, facts, planner
@@ -222,21 +223,23 @@ class MigrationService:
         record.event(f"transport: {plan.transport.transport} ({plan.transport.reason})")
         for note in plan.notes:
             record.event(note)
-        sender = None
+        pairs = None
         migration_uri = dest.migration_uri
         if plan.transport.transport == "mover":
-            sender = self._start_movers(record, plan, dest)
-            migration_uri = "unix://" + movers.socket_path(self.conf.agent.state_dir, record.id)
+            pairs = self._mover_pairs(record, plan, dest)
+            migration_uri = pairs.open()
         flows_moving = self._offload_depart(record, dest)
         try:
-            result = self._run_job(record, plan, dest, migration_uri)
+            result = self._run_job(record, plan, dest, migration_uri, pairs)
         except Exception as exc:
             if flows_moving:
                 self.offload.restore(record.id, str(exc), dest.agent, record.event)
+            if pairs is not None:
+                pairs.finish(ok=False)
             raise
         if flows_moving and result.state != "completed":
             self.offload.restore(record.id, result.error or result.state, dest.agent, record.event)
-        mover_stats = self._finish_movers(record, dest, sender, result.state == "completed")
+        mover_stats = self._finish_movers(record, pairs, result.state == "completed")
         if writeback:
             record.writeback_rounds = self._end_writeback(record, dest)
         if result.state != "completed":
@@ -293,15 +296,24 @@ class MigrationService:
         return record.request.store_writeback
 
     def _run_job(
-        self, record: MigrationRecord, plan: Plan, dest: Destination, migration_uri: str
+        self,
+        record: MigrationRecord,
+        plan: Plan,
+        dest: Destination,
+        migration_uri: str,
+        pairs: MoverPairs | None,
     ) -> JobResult:
         """Drive libvirt's migration to its end; the job reports progress into the record."""
         config = JobConfig(
+            # A postcopy resume over the movers needs a fresh pair (the old one
+            # died with the stream), started the way the first one was.
+            reopen_transport=pairs.reopen if pairs is not None else None,
             dest_libvirt_uri=dest.libvirt_uri,
             source_libvirt_uri=self.conf.agent.libvirt_uri,
             migration_uri=migration_uri,
             stall_timeout_s=self.options.stall_timeout_s,
             setup_timeout_s=self.options.setup_timeout_s,
+            converge_timeout_s=self.options.converge_timeout_s,
             recovery_timeout_s=self.options.recovery_timeout_s,
         )
 
@@ -338,59 +350,29 @@ class MigrationService:
         except (exceptions.FlexMigError, KeyError, TypeError, ValueError):
             return None
 
-    def _start_movers(
-        self, record: MigrationRecord, plan: Plan, dest: Destination
-    ) -> movers.MoverSet:
-        # Scoped to this migration and never sent: the destination derives the
-        # same token from the salt and the key this request is signed with.
-        salt = movers.new_token_salt()
-        token = auth.mover_token(dest.agent.key, record.id, salt)
+    def _mover_pairs(self, record: MigrationRecord, plan: Plan, dest: Destination) -> MoverPairs:
         # QEMU's multifd opens the main connection and one per channel.
         streams = plan.parallel + 1 if plan.parallel > 1 else 1
-        ports = dest.agent.post(
-            "/v1/mover/receive",
-            {"migration_id": record.id, "token_salt": salt, "streams": streams},
-        )["ports"]
-        try:
-            return movers.start_senders(
-                self.conf.agent.state_dir,
-                self.conf.agent.listen_address,
-                dest.agent.address,
-                ports,
-                record.id,
-                token,
-            )
-        except exceptions.FlexMigError:
-            _quietly(
-                lambda: dest.agent.post(
-                    "/v1/mover/finish", {"migration_id": record.id, "abort": True}
-                )
-            )
-            raise
+        return MoverPairs(
+            self.conf.agent.state_dir,
+            self.conf.agent.listen_address,
+            record.id,
+            dest.agent,
+            streams,
+        )
 
     def _finish_movers(
-        self,
-        record: MigrationRecord,
-        dest: Destination,
-        sender: movers.MoverSet | None,
-        ok: bool,
+        self, record: MigrationRecord, pairs: MoverPairs | None, ok: bool
     ) -> dict[str, Any] | None:
-        if sender is None:
+        """The movers' statistics; a mover that fails to report them is no
+        failed migration (the VM has landed: libvirt's job decides that)."""
+        if pairs is None:
             return None
-        Path(movers.socket_path(self.conf.agent.state_dir, record.id)).unlink(missing_ok=True)
-        if not ok:
-            sender.kill()
-            _quietly(
-                lambda: dest.agent.post(
-                    "/v1/mover/finish", {"migration_id": record.id, "abort": True}
-                )
-            )
+        try:
+            return pairs.finish(ok)
+        except exceptions.FlexMigError as exc:
+            record.event(f"the movers' statistics are lost: {exc}")
             return None
-        stats = {"send": sender.wait(timeout=30)}
-        stats["recv"] = dest.agent.post(
-            "/v1/mover/finish", {"migration_id": record.id}, timeout=40
-        )["stats"]
-        return stats
 
     def _summary(
         self, record: MigrationRecord, plan: Plan, dest: Destination, result: Any

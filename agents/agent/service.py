@@ -292,8 +292,8 @@ class Agent:
     def mover_receive(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         api.check_fields(body, {"migration_id": str, "token_salt": str}, {"streams": int})
         mid, salt, streams = body["migration_id"], body["token_salt"], body.get("streams", 1)
-        if not re.fullmatch(r"[0-9a-f]{6,32}", mid) or not re.fullmatch(r"[0-9a-f]{32,64}", salt):
-            raise api.BadRequest(reason="migration_id must be hex, token_salt 32..64 hex digits")
+        if not re.fullmatch(r"[0-9a-f]{6,36}", mid) or not re.fullmatch(r"[0-9a-f]{32,64}", salt):
+            raise api.BadRequest(reason="migration_id must be 6..36 hex digits, token_salt 32..64")
         # The token itself never crosses the network: both ends derive it.
         token = auth.mover_token(self.key, mid, salt)
         if not 1 <= streams <= movers.MAX_STREAMS:
@@ -313,8 +313,8 @@ class Agent:
         returned URI by whoever drives libvirt (the Nova driver)."""
         api.check_fields(body, {"migration_id": str, "token_salt": str, "peer": str, "ports": list})
         mid, salt, ports = body["migration_id"], body["token_salt"], body["ports"]
-        if not re.fullmatch(r"[0-9a-f]{6,32}", mid) or not re.fullmatch(r"[0-9a-f]{32,64}", salt):
-            raise api.BadRequest(reason="migration_id must be hex, token_salt 32..64 hex digits")
+        if not re.fullmatch(r"[0-9a-f]{6,36}", mid) or not re.fullmatch(r"[0-9a-f]{32,64}", salt):
+            raise api.BadRequest(reason="migration_id must be 6..36 hex digits, token_salt 32..64")
         if not ports or not all(isinstance(p, int) and p in movers.PORT_RANGE for p in ports):
             raise api.BadRequest(reason=f"ports must be in {movers.PORT_RANGE}")
         if mid in self.senders:

@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import threading
 import time
 from collections.abc import Callable
 
 import libvirt
+import libvirt_qemu
 
 from flexmig import exceptions, hypervisor
-from flexmig.migration import controller
+from flexmig.migration import controller, recovery
 from flexmig.migration.controller import Action, Controller
 from flexmig.migration.planner import Plan
 
@@ -56,10 +58,21 @@ class JobConfig:
     # Longest wait for the first page to move: libvirt starts the destination
     # QEMU first, seconds on a busy host, which is no stall.
     setup_timeout_s: float = 60.0
+    # Longest a precopy runs with the whole budget as its limit, not fitting it,
+    # before the guest is paused (stop-and-copy).
+    converge_timeout_s: float = 30.0
     # Longest wait for one libvirt call (job statistics, switch, abort).
     call_timeout_s: float = 20.0
     # Longest wait for libvirt's job to end once interrupted.
     end_timeout_s: float = 60.0
+    # The engine's way to open a fresh transport for postcopy resume attempt N
+    # (from 1), returning its migration URI; raises FlexMigError when it cannot
+    # (yet).  The mover transport needs it: its pair dies with the stream.
+    # None: resume over migration_uri (QEMU's own TCP listens again there).
+    reopen_transport: Callable[[int], str] | None = None
+    # The libvirt flags the migration was started with, where another caller
+    # started it (Nova): a resume repeats them.  None: the plan's own.
+    flags: int | None = None
 
 
 @dataclasses.dataclass
@@ -100,13 +113,17 @@ class MigrationJob:
             config.stall_timeout_s,
             recovers_postcopy=True,
             setup_timeout_s=config.setup_timeout_s,
+            converge_timeout_s=config.converge_timeout_s,
         )
         self._abort_reason: str | None = None
         self._interrupted_at: float | None = None
         self._abandoned = False  # libvirt's job never ended after the interruption
+        self._uri = config.migration_uri  # a resume's fresh transport replaces it
 
     def _params(self) -> dict[str, object]:
-        params: dict[str, object] = {libvirt.VIR_MIGRATE_PARAM_URI: self.config.migration_uri}
+        params: dict[str, object] = {}
+        if self._uri:  # "": libvirt's default (Nova's, without a migrate URI)
+            params[libvirt.VIR_MIGRATE_PARAM_URI] = self._uri
         cap = self.plan.request.bandwidth_mib
         if cap:
             # A cap emulates a slower link: it holds for both phases (libvirt's
@@ -117,7 +134,18 @@ class MigrationJob:
         return params | self.plan.params()
 
     def flags(self) -> int:
+        if self.config.flags is not None:
+            return self.config.flags
         return BASE_FLAGS | self.plan.mode_flags(libvirt)
+
+    def recover_postcopy(self) -> JobResult:
+        """Resume a postcopy that another caller started and that broke (Nova's
+        path): the same recovery as this job's own."""
+        start = time.monotonic()
+        self.result.switched_to_postcopy = True
+        self._recover()
+        self.result.elapsed_s = time.monotonic() - start
+        return self.result
 
     def _start(self, flags: int) -> tuple[threading.Thread, list[BaseException]]:
         return hypervisor.start_migration(
@@ -352,39 +380,84 @@ class MigrationJob:
                 self.on_event("resumed the VM on the source")
 
     def _recover(self) -> None:
+        """Resume a broken postcopy until it completes, the VM turns out to run
+        on one host, or recovery_timeout_s is spent (the VM then stays paused
+        on both hosts, never destroyed, and the error says how to resume it)."""
         deadline = time.monotonic() + self.config.recovery_timeout_s
-        flags = self.flags() | libvirt.VIR_MIGRATE_POSTCOPY_RESUME
-        attempt = 0
-        while time.monotonic() < deadline:
-            if self._runs_on_source():
+        attempts, last_error = 0, ""
+        while True:
+            step = recovery.next_step(self._recovery_view(attempts, deadline))
+            if step.kind == recovery.SOURCE_RUNS:
                 # The switch was accepted but postcopy never took over (libvirt
                 # 11 seen here): libvirt rolled back and the VM runs whole.
                 self.result.state = "failed"
                 self.result.error = "postcopy never took over; the VM runs on the source"
                 self.on_event(self.result.error)
                 return
-            if self._landed_on_destination():
+            if step.kind == recovery.LANDED:
                 # libvirt's control connection broke but QEMU's own stream
                 # survived the cut: nothing to resume, the VM runs there.
                 self.result.state, self.result.recovered = "completed", True
                 self.on_event("the migration completed over its own stream; nothing to resume")
                 return
-            attempt += 1
-            time.sleep(min(2.0, self.config.stall_timeout_s))
-            worker, errors = self._start(flags)
-            self._watch(worker)
-            if self._abandoned:
-                self._give_up()
-                return
-            if not errors:
+            if step.kind == recovery.GIVE_UP:
+                break
+            time.sleep(step.delay_s)
+            if step.kind == recovery.WAIT:
+                continue
+            attempts += 1
+            error = self._resume(attempts, step.reopen)
+            if error is None:
                 self.result.state, self.result.recovered = "completed", True
-                self.on_event(f"postcopy resumed and completed (attempt {attempt})")
+                self.on_event(f"postcopy resumed and completed (attempt {attempts})")
                 return
-            self.on_event(f"resume attempt {attempt} failed: {errors[0]}")
+            last_error = error
+            self.on_event(f"resume attempt {attempts} failed: {error}")
         self.result.state = "failed"
-        self.result.error = (
-            f"postcopy could not be resumed within {self.config.recovery_timeout_s:.0f} s; "
-            "the VM stays paused on both hosts, its memory split between them. Once the "
-            "fabric is back, resume it with libvirt: virsh migrate --postcopy "
-            "--postcopy-resume (the same destination and URI) on the source host"
+        self.result.error = recovery.given_up(
+            self.config.recovery_timeout_s, attempts, last_error, self.config.dest_libvirt_uri
         )
+        self.on_event(self.result.error)
+
+    def _recovery_view(self, attempts: int, deadline: float) -> recovery.RecoveryView:
+        return recovery.RecoveryView(
+            runs_on_source=self._runs_on_source(),
+            landed_on_destination=self._landed_on_destination(),
+            attempts=attempts,
+            time_left_s=deadline - time.monotonic(),
+            fresh_transport=self.config.reopen_transport is not None,
+            qemu_status=self._qemu_migration_status(),
+        )
+
+    def _resume(self, attempt: int, reopen: bool) -> str | None:
+        """One POSTCOPY_RESUME, on a fresh transport if asked; None once it
+        completed, else why not."""
+        if reopen and self.config.reopen_transport is not None:
+            try:
+                self._uri = self.config.reopen_transport(attempt)
+            except exceptions.FlexMigError as exc:
+                return f"no fresh transport to resume over: {exc}"
+            self.on_event(f"resume attempt {attempt} over a fresh transport: {self._uri}")
+        worker, errors = self._start(self.flags() | libvirt.VIR_MIGRATE_POSTCOPY_RESUME)
+        self._watch(worker)
+        if self._abandoned:
+            # Another attempt may still get through, or the VM land: the
+            # deadline, not one stuck call, ends the recovery.
+            self._abandoned = False
+            return (
+                f"libvirt's resume call did not end within {self.config.end_timeout_s:.0f} s "
+                "of its interruption"
+            )
+        return str(errors[0]) if errors else None
+
+    def _qemu_migration_status(self) -> str:
+        """The source QEMU's own migration state (query-migrate); "" when unknown."""
+
+        def query() -> str:
+            reply = libvirt_qemu.qemuMonitorCommand(self.dom, '{"execute":"query-migrate"}', 0)
+            return str(json.loads(reply).get("return", {}).get("status", ""))
+
+        try:
+            return str(self._call(query, "report QEMU's migration state"))
+        except (libvirt.libvirtError, exceptions.Timeout, ValueError, AttributeError):
+            return ""

@@ -118,6 +118,10 @@ def add_run(results: dict[str, dict[str, Any]], cell: Cell, run: dict[str, Any])
         {"runs": 0, "completed": 0, "failed": 0, "vm_lost": 0, "bad_pages": 0,
          "lost_pages": 0, "leftovers": 0, "next_ok": 0, "recovered": 0, "notes": []},
     )  # fmt: skip
+    # Which libvirt the lab hosts ran: postcopy recovery depends on it (FINDINGS).
+    by_libvirt = row.setdefault("libvirt", {"unrecorded": row["runs"]} if row["runs"] else {})
+    version = run.get("libvirt") or "unrecorded"
+    by_libvirt[version] = by_libvirt.get(version, 0) + 1
     row["runs"] += 1
     row["completed" if run["state"] == "completed" else "failed"] += 1
     row["vm_lost"] += int(run["hosts"] != 1)
@@ -169,7 +173,32 @@ def render_table(results: dict[str, dict[str, Any]]) -> str:
     for cell in cells():
         for note in results.get(cell.key, {}).get("notes", []):
             lines.append(f"- {cell.key}: {note}")
+    lines += ["", "Runs by the lab hosts' libvirt (QEMU 10.0 throughout):", ""]
+    for cell in cells():
+        by_libvirt = results.get(cell.key, {}).get("libvirt")
+        if by_libvirt:
+            counts = ", ".join(f"{v}: {n}" for v, n in sorted(by_libvirt.items()))
+            lines.append(f"- {cell.key}: {counts}")
+    lines += ["", "Findings:", "", *[f"- {finding}" for finding in FINDINGS]]
     return "\n".join(lines) + "\n"
+
+
+FINDINGS = (
+    "postcopy over the mover transport: a resume needs a fresh mover pair (the old "
+    "one dies with the stream); before that fix every resume went to the dead "
+    "pair's socket and the VM stayed paused on both hosts (postcopy/mover/cut-30s).",
+    "libvirt 9.0 does not know QEMU >= 9.1's postcopy-recover-setup state: it "
+    "reports a resume failed that QEMU then completes (the job now waits on QEMU's "
+    "own state), and in 2 of this cell's 4 runs on 9.0 its resume call never "
+    "returned and held the VM's migration job, so no later resume could start: the VM stays "
+    "paused on both hosts (counted lost here) until libvirtd is restarted on the "
+    "source. With libvirt 11.3 (FLEXMIG_LAB_LIBVIRT=backports) the mover faults at "
+    "the postcopy switch end with postcopy never taking over (the VM runs on the "
+    "source): the switch returns before QEMU has handed over, so these cells do not "
+    "reach a resume there; and the destination's libvirtd 11.3 segfaulted (in "
+    "libvirt_driver_qemu.so) handling the broken postcopy of a qemu-tcp cut-30s run, "
+    "after which no resume could reach it.",
+)
 
 
 def save(results: dict[str, dict[str, Any]]) -> None:
@@ -306,7 +335,13 @@ class Campaign:
         if len(running) != 1:
             return run
         guest = self.lab.guest(name)
-        guest.wait_heartbeat(host=running[0])
+        try:
+            guest.wait_heartbeat(host=running[0])
+        except exceptions.GuestError as exc:
+            # Active but silent: paused (a host whose libvirtd died is not
+            # counted by running_on, so "one host" can hide a VM paused on both).
+            run["hosts"], run["error"] = 0, f"{run['error']}; no heartbeat: {exc}"[:300]
+            return run
         check = guest.verify()
         run["bad"], run["lost"] = check["bad"], check["lost"]
         run["leftovers"] = self.leftovers(name, running[0])
@@ -433,6 +468,14 @@ def restart_agent(host: Any) -> None:
     host.start_agent()
 
 
+def lab_libvirt(lab: Lab) -> str:
+    """The libvirt version the lab hosts run (the system's, or the backport)."""
+    host = lab.hosts()[0]
+    with hypervisor.connect(host.local_uri, host.name) as conn:
+        number = conn.getLibVersion()
+    return f"{number // 1_000_000}.{number // 1000 % 1000}.{number % 1000}"
+
+
 class CampaignStop(Exception):
     """A VM or page was lost: stop and look (a bug, not a row)."""
 
@@ -476,13 +519,14 @@ def main(argv: list[str] | None = None) -> int:
     lab.up()
     small_stores(lab)
     campaign = Campaign(lab)
+    libvirt_version = lab_libvirt(lab)
     status = 0
     try:
         for cell in choose(results, args.cells or ["*"], args.runs):
             if time.monotonic() >= deadline:
                 break
             started = time.monotonic()
-            run = campaign.run(cell)
+            run = campaign.run(cell) | {"libvirt": libvirt_version}
             add_run(results, cell, run)
             save(results)
             print(f"{datetime.datetime.now():%H:%M:%S} {cell.key}: {json.dumps(run)} "

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 import fixtures
+import libvirt
 from lxml import etree
 from nova.tests.fixtures import libvirt as fakelibvirt
 from oslo_config import cfg
@@ -146,6 +147,7 @@ class MigrationSeen:
     paused_at_round: int | None = None  # stop-and-copy: the guest paused mid-precopy
     rounds: int = 0
     outcome: str = "not started"
+    resumes: int = 0  # POSTCOPY_RESUME calls after a postcopy broke
 
 
 class GuestWorkloads(fixtures.Fixture):
@@ -159,6 +161,9 @@ class GuestWorkloads(fixtures.Fixture):
         self.by_uri = by_uri
         self.workloads: dict[str, Workload] = {}
         self.fail: set[str] = set()
+        # Guests whose postcopy stream breaks once (QEMU pauses postcopy on
+        # both hosts); a later POSTCOPY_RESUME completes it.
+        self.break_postcopy: set[str] = set()
         self.seen: dict[str, MigrationSeen] = {}
         self.hold = threading.Event()  # set: rounds run freely
         self.hold.set()
@@ -228,17 +233,38 @@ class GuestWorkloads(fixtures.Fixture):
             "migrateSetMaxDowntime": set_max_downtime,
             "migrateStartPostCopy": start_postcopy,
             "migrateToURI3": self._migrate,
+            # libvirt's virDomain.state(), which the engine's recovery reads.
+            "state": lambda dom, flags=0: [dom._state, 0],
         }.items():
             self.useFixture(fixtures.MonkeyPatch(f"{domain.__module__}.Domain.{name}", value))
         self.useFixture(
             fixtures.MonkeyPatch(f"{domain.__module__}.Connection.domainListGetStats", list_stats)
         )
 
+    def _resume(self, dom: Any, dconnuri: str) -> None:
+        """libvirt's POSTCOPY_RESUME: only a postcopy that broke can be resumed."""
+        record = self.record(dom.name())
+        if record.outcome != "postcopy-paused":
+            raise fakelibvirt.make_libvirtError(
+                fakelibvirt.libvirtError,
+                f"Requested operation is not valid: domain '{dom.name()}' is not being migrated",
+                error_code=fakelibvirt.VIR_ERR_OPERATION_INVALID,
+                error_domain=fakelibvirt.VIR_FROM_QEMU,
+            )
+        record.resumes += 1
+        dest = self.dest_connection(dconnuri) if self.by_uri else self.dest_connection()
+        dest.createXML(record.params["destination_xml"], 0)
+        record.outcome = "completed"
+        dom.complete_job()
+
     def record(self, vm: str) -> MigrationSeen:
         return self.seen.setdefault(vm, MigrationSeen(vm, 0, {}))
 
     def _migrate(self, dom: Any, dconnuri: str, params: dict[str, Any], flags: int) -> None:
         """QEMU's precopy rounds, as job statistics the driver's monitor reads."""
+        if flags & libvirt.VIR_MIGRATE_POSTCOPY_RESUME:
+            self._resume(dom, dconnuri)
+            return
         record = self.record(dom.name())
         record.flags, record.params, record.outcome = flags, params, "running"
         load = self.workloads.get(dom.name(), IDLE)
@@ -271,6 +297,19 @@ class GuestWorkloads(fixtures.Fixture):
         converged = load.converges or (
             record.postcopy_after_round is not None or record.paused_at_round is not None
         )
+        if record.postcopy_after_round is not None and dom.name() in self.break_postcopy:
+            # The VM runs on the destination, its memory split: both sides pause.
+            self.break_postcopy.discard(dom.name())
+            record.outcome = "postcopy-paused"
+            dom._flexmig_job = None
+            dom._state = fakelibvirt.VIR_DOMAIN_PAUSED
+            dom.fail_job()
+            raise fakelibvirt.make_libvirtError(
+                fakelibvirt.libvirtError,
+                "operation failed: job 'migration out' failed in post-copy phase",
+                error_code=fakelibvirt.VIR_ERR_OPERATION_FAILED,
+                error_domain=fakelibvirt.VIR_FROM_QEMU,
+            )
         if dom.name() in self.fail or not converged:
             record.outcome = "failed"
             dom._flexmig_job = None

@@ -200,6 +200,21 @@ class TestModeChoice(FlexMigNovaTestBase):
             time.sleep(0.2)
         self.fail("the migration record never carried progress")
 
+    def test_a_broken_postcopy_is_resumed_not_rolled_back(self) -> None:
+        """Nova's rollback would destroy the destination's half of the VM: the
+        driver resumes the postcopy with the engine's recovery instead."""
+        server = self._boot(harness.HOT)
+        name = self._domain_name(server)
+        self.guests.break_postcopy.add(name)
+        self._migrate_live(server)
+        migration = self._wait_for_end(server)
+
+        seen = self.guests.seen[name]
+        self.assertEqual("completed", migration["status"], seen)
+        self.assertEqual(1, seen.resumes)
+        self.assertEqual("completed", seen.outcome)
+        self._assert_on(server, "dest")
+
     def test_failed_migration_rolls_back_and_server_stays_on_source(self) -> None:
         server = self._boot(harness.IDLE)
         self.guests.fail.add(self._domain_name(server))

@@ -170,7 +170,7 @@ def test_orchestration_routes_answer_403_where_disabled(tmp_path: pathlib.Path) 
             with pytest.raises(AgentError, match="403.*allow_orchestration = false"):
                 client.request(method, path, payload)
         # The movers stay open: Nova's driver asks both agents for them.
-        with pytest.raises(exceptions.InvalidInput, match="400.*migration_id must be hex"):
+        with pytest.raises(exceptions.InvalidInput, match="400.*migration_id must be 6..36 hex"):
             client.post("/v1/mover/receive", {"migration_id": "zz", "token_salt": "0" * 48})
         # Unsigned requests are still turned away by authentication first.
         with pytest.raises(AgentError, match="401"):

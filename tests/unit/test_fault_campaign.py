@@ -45,3 +45,15 @@ def test_the_store_is_filled_only_where_guest_memory_is_a_file_in_it():
     }
     assert "precopy/mover/fill-dst-store/switchover" in filled
     assert not any(k.startswith("postcopy/") for k in filled)  # anonymous memory
+
+
+def test_runs_are_counted_by_the_lab_hosts_libvirt():
+    cell = fc.cells()[0]
+    results = {cell.key: {"runs": 2, "completed": 2, "failed": 0, "vm_lost": 0, "bad_pages": 0,
+                          "lost_pages": 0, "leftovers": 0, "next_ok": 2, "recovered": 0,
+                          "notes": []}}  # fmt: skip
+    fc.add_run(results, cell, _run(libvirt="9.0.0"))
+    fc.add_run(results, cell, _run(libvirt="11.3.0"))
+    fc.add_run(results, cell, _run(libvirt="11.3.0"))
+    assert results[cell.key]["libvirt"] == {"unrecorded": 2, "9.0.0": 1, "11.3.0": 2}
+    assert f"- {cell.key}: 11.3.0: 2, 9.0.0: 1, unrecorded: 2" in fc.render_table(results)

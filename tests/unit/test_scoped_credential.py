@@ -81,3 +81,46 @@ def test_a_signed_non_finite_timestamp_is_refused(stamp: str) -> None:
     )
     with pytest.raises(auth.AuthError):
         auth.Verifier(KEY).verify("GET", "/v1/facts", headers, body, now=NOW)
+
+
+# The migration's mover id is its id without dashes; a postcopy resume over the
+# movers needs a fresh pair, which the source's Nova driver starts and finishes
+# on the destination with this credential (nova_driver/postcopy.py).
+OWN_MOVERS = auth.mover_id("0f25fdf1-0453")
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/mover/finish", {"migration_id": OWN_MOVERS}),
+        ("/v1/mover/finish", {"migration_id": OWN_MOVERS, "abort": True}),
+        ("/v1/mover/finish", {"migration_id": OWN_MOVERS + "0001", "abort": True}),
+        ("/v1/mover/finish", {"migration_id": OWN_MOVERS + "0003"}),
+        ("/v1/mover/receive", {"migration_id": OWN_MOVERS + "0001", "token_salt": "ab" * 24}),
+        (
+            "/v1/mover/receive",
+            {"migration_id": OWN_MOVERS + "00ff", "token_salt": "ab" * 24, "streams": 1},
+        ),
+    ],
+)
+def test_its_own_movers_and_their_resume_pairs_are_allowed(path: str, body: dict) -> None:
+    _verify("POST", path, json.dumps(body).encode())
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        # The first pair is the destination's own to start, and other migrations' never.
+        ("/v1/mover/receive", {"migration_id": OWN_MOVERS, "token_salt": "ab" * 24}),
+        ("/v1/mover/receive", {"migration_id": "0f25fdf104540001", "token_salt": "ab" * 24}),
+        ("/v1/mover/receive", {"migration_id": OWN_MOVERS + "0000", "token_salt": "ab" * 24}),
+        ("/v1/mover/receive", {"migration_id": OWN_MOVERS + "0001", "peer": "10.0.0.9"}),
+        ("/v1/mover/finish", {"migration_id": OWN_MOVERS + "00001"}),
+        ("/v1/mover/finish", {"migration_id": OWN_MOVERS, "abort": False}),
+        ("/v1/mover/finish", ["not", "an", "object"]),
+        ("/v1/mover/send", {"migration_id": OWN_MOVERS + "0001"}),
+    ],
+)
+def test_other_mover_requests_are_refused(path: str, body: object) -> None:
+    with pytest.raises(auth.AuthError, match="may not POST"):
+        _verify("POST", path, json.dumps(body).encode())

@@ -1,0 +1,228 @@
+"""Postcopy recovery: the decisions (pure) and the job's resume loop over them.
+
+The loop's libvirt edges are stubs (where the VM runs, the started migration);
+what is tested is the behaviour the fault campaign needs: a resume over the
+mover transport gets a fresh transport every attempt, a transport that cannot
+be had yet is tried again with bounded backoff, and running out of time leaves
+the VM paused and recoverable with an error that says so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import threading
+
+import libvirt
+import pytest
+
+from flexmig import exceptions
+from flexmig.migration import libvirt_job, recovery
+from flexmig.migration.libvirt_job import JobConfig, MigrationJob
+from tests.unit.engine_fakes import make_plan
+
+VIEW = recovery.RecoveryView(
+    runs_on_source=False,
+    landed_on_destination=False,
+    attempts=0,
+    time_left_s=120.0,
+    fresh_transport=True,
+)
+
+
+# -- decisions -------------------------------------------------------------------
+def test_where_the_vm_runs_decides_before_any_resume():
+    assert recovery.next_step(dataclasses.replace(VIEW, runs_on_source=True)).kind == (
+        recovery.SOURCE_RUNS
+    )
+    landed = dataclasses.replace(VIEW, landed_on_destination=True, time_left_s=-5)
+    assert recovery.next_step(landed).kind == recovery.LANDED
+
+
+def test_the_mover_transport_is_reopened_for_every_resume_qemu_tcp_never():
+    for attempts in range(5):
+        view = dataclasses.replace(VIEW, attempts=attempts)
+        assert recovery.next_step(view).reopen
+        assert not recovery.next_step(dataclasses.replace(view, fresh_transport=False)).reopen
+
+
+def test_backoff_grows_and_is_capped():
+    delays = [recovery.retry_delay_s(n) for n in range(12)]
+    assert delays == sorted(delays)
+    assert delays[0] == recovery.FIRST_DELAY_S
+    assert max(delays) == recovery.MAX_DELAY_S
+
+
+def test_no_attempt_whose_wait_would_cross_the_deadline():
+    delay = recovery.retry_delay_s(4)
+    assert recovery.next_step(dataclasses.replace(VIEW, attempts=4, time_left_s=delay)).kind == (
+        recovery.GIVE_UP
+    )
+    step = recovery.next_step(dataclasses.replace(VIEW, attempts=4, time_left_s=delay + 0.1))
+    assert (step.kind, step.delay_s) == (recovery.RESUME, delay)
+
+
+def test_each_resume_transport_has_an_id_of_its_own():
+    ids = {recovery.resume_transport_id("ab12cd34ef56", n) for n in range(1, 50)}
+    assert len(ids) == 49 and "ab12cd34ef56" not in ids
+    assert all(len(i) <= 32 and int(i, 16) >= 0 for i in ids)  # the agents' hex ids
+    with pytest.raises(ValueError):
+        recovery.resume_transport_id("ab12cd34ef56", 0)
+
+
+# -- the job's loop ----------------------------------------------------------------
+class Clock:
+    """time for the job: sleeping advances it."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+        self.slept: list[float] = []
+
+    def monotonic(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+class Dom:
+    def name(self) -> str:
+        return "vm1"
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    fake = Clock()
+    monkeypatch.setattr(libvirt_job, "time", fake)
+    return fake
+
+
+def _job(monkeypatch, outcomes: list[str | None], reopen=None, timeout_s: float = 60.0):
+    """A postcopy job whose resume attempts end with ``outcomes`` (None: completed)."""
+    started: list[tuple[dict, int]] = []
+
+    def start(dom, host, uri, params, flags, *source):
+        started.append((params, flags))
+        done = threading.Thread(target=lambda: None)
+        done.start()
+        done.join()
+        error = outcomes.pop(0) if outcomes else "connection refused"
+        return done, [] if error is None else [
+            exceptions.BackendError(backend="libvirt", reason=error)
+        ]
+
+    monkeypatch.setattr(libvirt_job.hypervisor, "start_migration", start)
+    monkeypatch.setattr(MigrationJob, "_runs_on_source", lambda self: False)
+    monkeypatch.setattr(MigrationJob, "_landed_on_destination", lambda self: False)
+    monkeypatch.setattr(MigrationJob, "_qemu_migration_status", lambda self: "postcopy-paused")
+    events: list[str] = []
+    config = JobConfig(
+        "qemu+tcp://b/system",
+        "unix:///run/flexmig/mig-ab12cd34ef56.sock",
+        recovery_timeout_s=timeout_s,
+        reopen_transport=reopen,
+    )
+    job = MigrationJob(Dom(), "A", make_plan(hot=True), config, on_event=events.append)  # type: ignore[arg-type]
+    job.result.switched_to_postcopy = True
+    return job, started, events
+
+
+def test_a_mover_resume_runs_over_the_fresh_pairs_uri(monkeypatch, clock):
+    opened: list[int] = []
+
+    def reopen(attempt: int) -> str:
+        opened.append(attempt)
+        return (
+            f"unix:///run/flexmig/mig-{recovery.resume_transport_id('ab12cd34ef56', attempt)}.sock"
+        )
+
+    job, started, events = _job(monkeypatch, ["stream broke", None], reopen)
+    job._recover()
+    assert job.result.state == "completed" and job.result.recovered
+    assert opened == [1, 2]
+    uris = [params[libvirt.VIR_MIGRATE_PARAM_URI] for params, _ in started]
+    assert uris == [
+        "unix:///run/flexmig/mig-ab12cd34ef560001.sock",
+        "unix:///run/flexmig/mig-ab12cd34ef560002.sock",
+    ]
+    assert all(flags & libvirt.VIR_MIGRATE_POSTCOPY_RESUME for _, flags in started)
+
+
+def test_no_resume_is_started_without_a_fresh_pair_and_it_is_tried_again(monkeypatch, clock):
+    calls: list[int] = []
+
+    def reopen(attempt: int) -> str:
+        calls.append(attempt)
+        if attempt <= 3:  # the fabric is still cut: the destination agent is unreachable
+            raise exceptions.BackendError(backend="agent on B", reason="timed out")
+        return "unix:///run/flexmig/mig-fresh.sock"
+
+    job, started, events = _job(monkeypatch, [None], reopen)
+    job._recover()
+    assert job.result.state == "completed"
+    assert calls == [1, 2, 3, 4] and len(started) == 1
+    assert any("no fresh transport to resume over" in e for e in events)
+    assert clock.slept == [recovery.retry_delay_s(n) for n in range(4)]
+
+
+def test_out_of_time_the_vm_stays_paused_and_the_error_says_how_to_resume(monkeypatch, clock):
+    def unreachable(attempt: int) -> str:
+        raise exceptions.BackendError(backend="agent on B", reason="no route to host")
+
+    job, started, events = _job(monkeypatch, [], unreachable, timeout_s=30.0)
+    job._recover()
+    assert job.result.state == "failed" and not job.result.recovered
+    assert started == []  # nothing was ever resumed over the dead pair's socket
+    error = job.result.error or ""
+    assert "within 30 s" in error and "no route to host" in error
+    assert "paused on both hosts" in error and "recoverable" in error
+    assert "--postcopy-resume" in error and "qemu+tcp://b/system" in error
+    assert sum(clock.slept) < 30.0  # no wait crossed the deadline
+
+
+def test_over_qemu_tcp_the_same_uri_serves_again(monkeypatch, clock):
+    job, started, _ = _job(monkeypatch, ["refused", "refused", None], reopen=None)
+    job._recover()
+    assert job.result.state == "completed"
+    assert {params[libvirt.VIR_MIGRATE_PARAM_URI] for params, _ in started} == {
+        "unix:///run/flexmig/mig-ab12cd34ef56.sock"
+    }
+
+
+def test_a_resume_qemu_carries_on_is_waited_for_not_torn_down(monkeypatch, clock):
+    """libvirt 9.0 reports a resume failed that QEMU 10 completes (lab): its
+    pair must live until the VM lands, no new pair is opened meanwhile."""
+    opened: list[int] = []
+    job, started, events = _job(monkeypatch, ["job 'migration in' failed"], opened.append)
+    states = itertools.chain(
+        ["postcopy-paused", "postcopy-recover", "postcopy-active"], itertools.repeat("completed")
+    )
+    monkeypatch.setattr(MigrationJob, "_qemu_migration_status", lambda self: next(states))
+    landed = iter([False, False, False, False, True])
+    monkeypatch.setattr(MigrationJob, "_landed_on_destination", lambda self: next(landed))
+    job._recover()
+    assert job.result.state == "completed" and job.result.recovered
+    assert opened == [1] and len(started) == 1
+    assert clock.slept[1:] == [recovery.WAIT_POLL_S] * 3
+
+
+def test_a_resume_call_libvirt_never_ends_is_not_the_end_of_recovery(monkeypatch, clock):
+    job, started, events = _job(monkeypatch, ["stuck", None], reopen=None)
+    real_watch = MigrationJob._watch
+    calls = iter([True, False])
+
+    def watch(self, worker):
+        real_watch(self, worker)
+        self._abandoned = next(calls)  # the first resume call never returned
+
+    monkeypatch.setattr(MigrationJob, "_watch", watch)
+    job._recover()
+    assert job.result.state == "completed" and len(started) == 2
+    assert any("did not end within" in e for e in events)
+
+
+def test_a_job_held_by_a_stuck_resume_call_says_to_restart_libvirtd():
+    stuck = "Requested operation is not valid: migration of domain vm1 " + recovery.STUCK_JOB
+    assert "restart libvirtd on the source" in recovery.given_up(120, 7, stuck, "qemu+tcp://b")
+    assert "restart libvirtd" not in recovery.given_up(120, 7, "connection refused", "x")
