@@ -529,6 +529,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             CONF.libvirt.live_migration_monitor_interval,
             self.active_migrations,
             opts.setup_timeout_s,
+            opts.converge_timeout_s,
         )
         outcome = {"ok": False}
 

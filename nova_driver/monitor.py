@@ -5,7 +5,9 @@ on a completion timer (abort, or force postcopy).  FlexMig replaces those two
 with the engine's ``Controller`` (``flexmig.migration.controller``), the one
 the agent's job uses too: the downtime limit is the decision's from the start,
 hybrid switches to postcopy after the decision's precopy rounds, the in-flight
-correction applies, and a stream with no progress for ``[migration]
+correction applies (in place of Nova's completion timeout, a precopy that has
+not fit the downtime budget for ``[migration] converge_timeout`` is stopped
+and copied), and a stream with no progress for ``[migration]
 stall_timeout`` is aborted while abort is still safe; once postcopy runs it
 is paused instead, and the driver resumes it with the engine's recovery
 (``nova_driver.postcopy``) rather than letting Nova roll back.  Everything else is Nova's:
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import time
 from collections.abc import Callable
 from typing import Any
@@ -93,6 +96,7 @@ class PlanMonitor:
         save_interval_s: float,
         active_migrations: dict[str, collections.deque[str]],
         setup_timeout_s: float | None = None,
+        converge_timeout_s: float = math.inf,
     ) -> None:
         self.libvirt = libvirt
         self.host = host
@@ -102,7 +106,11 @@ class PlanMonitor:
         self.active_migrations = active_migrations
         self.state = MonitorState()
         self.control = Controller(
-            plan, stall_timeout_s, recovers_postcopy=True, setup_timeout_s=setup_timeout_s
+            plan,
+            stall_timeout_s,
+            recovers_postcopy=True,
+            setup_timeout_s=setup_timeout_s,
+            converge_timeout_s=converge_timeout_s,
         )
 
     def run(
@@ -180,16 +188,29 @@ class PlanMonitor:
                 self._switch(guest, instance, action)
                 return
             elif action.kind == controller.SET_DOWNTIME and action.downtime_ms is not None:
-                guest.migrate_configure_max_downtime(action.downtime_ms)
+                limit = action.downtime_ms
+                hypervisor.bounded(
+                    lambda: guest.migrate_configure_max_downtime(limit),
+                    CALL_TIMEOUT_S,
+                    "libvirt to raise the downtime limit",
+                )
             elif action.kind == controller.PAUSE_GUEST:
                 # Nova's own force-complete does the same for a precopy; a failed
-                # migration resumes the guest through Nova's recovery tasks.
-                guest.pause()
-                on_failure.append("unpause")
+                # migration resumes the guest through Nova's recovery tasks
+                # (which unpause only a paused guest): queued first, as a pause
+                # that times out may still happen.
+                if "unpause" not in on_failure:
+                    on_failure.append("unpause")
+                hypervisor.bounded(guest.pause, CALL_TIMEOUT_S, "libvirt to pause the guest")
             elif action.kind == controller.INTERRUPT:
                 self._abort(guest, action.reason)
         except self.libvirt.libvirtError as exc:
             LOG.warning("FlexMig: libvirt refused to %s: %s", action.kind, exc)
+            return
+        except exceptions.Timeout as exc:
+            # Not done: the controller asks again, and its converge_timeout
+            # runs on (the CI's monitor once sat 5 min in the raise, unbounded).
+            LOG.warning("FlexMig: %s", exc)
             return
         self.control.done(action)
 

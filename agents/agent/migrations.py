@@ -313,6 +313,7 @@ class MigrationService:
             migration_uri=migration_uri,
             stall_timeout_s=self.options.stall_timeout_s,
             setup_timeout_s=self.options.setup_timeout_s,
+            converge_timeout_s=self.options.converge_timeout_s,
             recovery_timeout_s=self.options.recovery_timeout_s,
         )
 

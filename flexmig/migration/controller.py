@@ -6,7 +6,9 @@ Guest) feed it libvirt's job statistics and carry out the actions it returns:
 
 - the plan's switch to postcopy once its precopy rounds are done;
 - the in-flight correction when the stream is slower than planned
-  (``flexmig.policy.inflight``: switch, raise the downtime limit, stop and copy);
+  (``flexmig.policy.inflight``: switch, raise the downtime limit, stop and copy,
+  the last also ``converge_timeout`` after the correction engaged if the
+  remainder still does not fit);
 - the stall watchdog: no bytes moved for ``stall_timeout`` interrupts the job
   (the executor aborts a precopy; a postcopy it pauses for recovery where it
   can recover one, and otherwise leaves to libvirt and QEMU).
@@ -17,6 +19,7 @@ No I/O here: time is passed in, results of actions are reported back.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from flexmig.migration.planner import Plan
 from flexmig.policy import inflight
@@ -55,6 +58,7 @@ class Controller:
         stall_timeout_s: float,
         recovers_postcopy: bool,
         setup_timeout_s: float | None = None,
+        converge_timeout_s: float = math.inf,
     ) -> None:
         self.plan = plan
         self.stall_timeout_s = stall_timeout_s
@@ -62,7 +66,10 @@ class Controller:
         # seconds on a busy host, which is no stall.
         self.setup_timeout_s = setup_timeout_s or stall_timeout_s
         self.recovers_postcopy = recovers_postcopy
+        self.converge_timeout_s = converge_timeout_s
         self.limit_ms = plan.decision.max_downtime_ms
+        self.budget_ms = max(plan.downtime_budget_ms, plan.decision.max_downtime_ms)
+        self._correcting_since: float | None = None  # when the correction engaged
         self.switched = False
         self.stopped = False  # the guest is paused for stop-and-copy
         self._last_processed = -1
@@ -79,7 +86,7 @@ class Controller:
                 round_done = stats.get("memory_iteration", 0) - 1
                 actions.append(Action(SWITCH, f"the plan switches after round {round_done}"))
             elif not self.switched and not self.stopped:
-                actions += self._correction(stats)
+                actions += self._correction(stats, now)
         if self._last_move is None:
             self._last_move = now
         limit = self.stall_timeout_s if self._last_processed > 0 else self.setup_timeout_s
@@ -89,20 +96,27 @@ class Controller:
             self._last_move = now  # re-armed: one interruption per stall period
         return actions
 
-    def _correction(self, stats: dict[str, int]) -> list[Action]:
+    def _correction(self, stats: dict[str, int], now: float) -> list[Action]:
         decision = self.plan.decision
+        progress = inflight.Progress(
+            iteration=stats.get("memory_iteration", 0),
+            processed_bytes=stats.get("memory_processed", 0),
+            remaining_bytes=stats.get("memory_remaining", 0),
+            ram_bytes=decision.ram_bytes,
+            bandwidth_bps=float(stats.get("memory_bps", 0)),
+        )
+        planned = len(decision.prediction.rounds)
+        if self._correcting_since is None and inflight.behind(progress, planned, self.limit_ms):
+            self._correcting_since = now  # converge_timeout runs from here
+        since = self._correcting_since
         change = inflight.adjust(
-            inflight.Progress(
-                iteration=stats.get("memory_iteration", 0),
-                processed_bytes=stats.get("memory_processed", 0),
-                remaining_bytes=stats.get("memory_remaining", 0),
-                ram_bytes=decision.ram_bytes,
-                bandwidth_bps=float(stats.get("memory_bps", 0)),
-            ),
-            planned_rounds=len(decision.prediction.rounds),
+            progress,
+            planned_rounds=planned,
             limit_ms=self.limit_ms,
-            budget_ms=max(self.plan.downtime_budget_ms, decision.max_downtime_ms),
+            budget_ms=self.budget_ms,
             postcopy_enabled=decision.transfer == "postcopy",
+            correcting_s=0.0 if since is None else now - since,
+            converge_timeout_s=self.converge_timeout_s,
         )
         kind = {
             "switch_postcopy": SWITCH,

@@ -58,6 +58,9 @@ class JobConfig:
     # Longest wait for the first page to move: libvirt starts the destination
     # QEMU first, seconds on a busy host, which is no stall.
     setup_timeout_s: float = 60.0
+    # Longest a precopy runs with the whole budget as its limit, not fitting it,
+    # before the guest is paused (stop-and-copy).
+    converge_timeout_s: float = 30.0
     # Longest wait for one libvirt call (job statistics, switch, abort).
     call_timeout_s: float = 20.0
     # Longest wait for libvirt's job to end once interrupted.
@@ -110,6 +113,7 @@ class MigrationJob:
             config.stall_timeout_s,
             recovers_postcopy=True,
             setup_timeout_s=config.setup_timeout_s,
+            converge_timeout_s=config.converge_timeout_s,
         )
         self._abort_reason: str | None = None
         self._interrupted_at: float | None = None

@@ -95,6 +95,19 @@ migration_opts = [
         "counts as stalled and is aborted; after that, stall_timeout applies.",
     ),
     cfg.FloatOpt(
+        "converge_timeout",
+        default=30.0,
+        min=1.0,
+        max=3600.0,
+        help="Seconds a precopy may stay behind (its plan's rounds past, its "
+        "remainder too large for the downtime limit, e.g. a stream no faster "
+        "than the guest dirties memory, as a split destination faulting pages "
+        "back from its store) after the in-flight correction engaged, before "
+        "the guest is paused so the rest moves while it is stopped (seed 000's "
+        "stop-and-copy; the downtime then exceeds the budget, and the log says "
+        "by how much). On the Nova path this replaces Nova's completion timeout.",
+    ),
+    cfg.FloatOpt(
         "recovery_timeout",
         default=300.0,
         min=5.0,
@@ -148,6 +161,7 @@ class EngineOptions:
     bandwidth_probe_mib: int = 64
     stall_timeout_s: float = 15.0
     setup_timeout_s: float = 60.0
+    converge_timeout_s: float = 30.0
     recovery_timeout_s: float = 300.0
     tcp_fabric_transport: str = "qemu-tcp"
     transport: str = "auto"
@@ -188,6 +202,7 @@ def read(conf: cfg.ConfigOpts) -> EngineOptions:
         bandwidth_probe_mib=values["bandwidth_probe_mib"],
         stall_timeout_s=values["stall_timeout"],
         setup_timeout_s=values["setup_timeout"],
+        converge_timeout_s=values["converge_timeout"],
         recovery_timeout_s=values["recovery_timeout"],
         tcp_fabric_transport=values["tcp_fabric_transport"],
         transport=values["transport"],

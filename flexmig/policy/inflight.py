@@ -14,6 +14,15 @@ and copies what is left during downtime.  Here, in order:
    a tighter one on the faster estimate);
 4. at a cap with the budget already in force, stop and copy: pause the guest
    so the remainder moves while it is stopped, as seed 000 does.
+
+Seed 000's caps count rounds and bytes, which assume the stream runs near its
+planned rate.  A stream that trickles at about the guest's dirty rate (the
+lab's split destination, faulting re-sent pages back from its store at the
+cap, moved 3-20 MiB/s against a guest dirtying ~8 MiB/s) reaches neither in
+minutes: its rounds grow longer instead of more numerous.  So being behind
+for ``converge_timeout`` is a cap too, counted from when the correction
+engaged rather than from the raised limit taking effect: the lab's libvirt
+once never returned from raising it.
 """
 
 from __future__ import annotations
@@ -54,14 +63,39 @@ class Adjustment:
 NONE = Adjustment("none")
 
 
+def _capped(progress: Progress) -> bool:
+    return (
+        progress.iteration > MAX_ROUNDS
+        or progress.processed_bytes > MAX_TOTAL_FACTOR * progress.ram_bytes
+    )
+
+
+def behind(progress: Progress, planned_rounds: int, limit_ms: int) -> bool:
+    """Whether the remainder does not fit the limit once the plan's rounds (and slack)
+    are past or a cap is reached: from then on the correction acts.
+
+    >>> p = Progress(iteration=8, processed_bytes=0, remaining_bytes=4 << 20,
+    ...              ram_bytes=512 << 20, bandwidth_bps=10 << 20)
+    >>> behind(p, 4, 300), behind(p, 6, 300), behind(p, 4, 500)
+    (True, False, False)
+    """
+    if progress.expected_downtime_ms() <= limit_ms:
+        return False
+    return _capped(progress) or progress.iteration > planned_rounds + ROUNDS_OF_SLACK
+
+
 def adjust(
     progress: Progress,
     planned_rounds: int,
     limit_ms: int,
     budget_ms: int,
     postcopy_enabled: bool,
+    correcting_s: float = 0.0,
+    converge_timeout_s: float = math.inf,
 ) -> Adjustment:
     """What to change in a running precopy, given its progress.
+
+    ``correcting_s``: how long the precopy has been ``behind`` (the correction engaged).
 
     >>> slow = Progress(iteration=8, processed_bytes=600 << 20, remaining_bytes=4 << 20,
     ...                 ram_bytes=512 << 20, bandwidth_bps=10 << 20)
@@ -75,16 +109,13 @@ def adjust(
     'stop_and_copy'
     >>> adjust(dataclasses.replace(slow, iteration=3), 4, 20, 300, False).action
     'none'
+    >>> adjust(slow, 4, 20, 300, False, correcting_s=31, converge_timeout_s=30).action
+    'stop_and_copy'
     """
+    if not behind(progress, planned_rounds, limit_ms):
+        return NONE
+    capped = _capped(progress)
     expected = progress.expected_downtime_ms()
-    if expected <= limit_ms:
-        return NONE
-    capped = (
-        progress.iteration > MAX_ROUNDS
-        or progress.processed_bytes > MAX_TOTAL_FACTOR * progress.ram_bytes
-    )
-    if not capped and progress.iteration <= planned_rounds + ROUNDS_OF_SLACK:
-        return NONE
     where = (
         f"round {progress.iteration - 1}: {progress.remaining_bytes / 2**20:.1f} MiB left at "
         f"{progress.bandwidth_bps / 2**20:.1f} MiB/s needs ~{expected:.0f} ms of downtime, "
@@ -92,18 +123,25 @@ def adjust(
     )
     if postcopy_enabled:
         return Adjustment("switch_postcopy", reason=f"{where}: switching to postcopy")
-    if limit_ms < budget_ms:
+    overdue = correcting_s > converge_timeout_s
+    if limit_ms < budget_ms and not overdue:
         return Adjustment(
             "raise_downtime",
             downtime_ms=budget_ms,
             reason=f"{where}: the stream is slower than planned, raising it to the "
             f"{budget_ms} ms budget",
         )
+    stop = "pausing the guest so the rest moves while it is stopped (seed 000's stop-and-copy)"
     if capped:
         return Adjustment(
             "stop_and_copy",
             reason=f"{where}, and precopy's caps ({MAX_ROUNDS} rounds or "
-            f"{MAX_TOTAL_FACTOR:g}x RAM) are reached: pausing the guest so the rest "
-            "moves while it is stopped (seed 000's stop-and-copy)",
+            f"{MAX_TOTAL_FACTOR:g}x RAM) are reached: {stop}",
+        )
+    if overdue:
+        return Adjustment(
+            "stop_and_copy",
+            reason=f"{where}, {correcting_s:.0f} s after the correction engaged "
+            f"(converge_timeout {converge_timeout_s:g} s): {stop}",
         )
     return NONE

@@ -13,6 +13,7 @@ from flexmig.migration.controller import Controller
 from flexmig.migration.facts import declared_backing, filesystem_of
 from flexmig.migration.options import EngineOptions
 from flexmig.migration.request import MigrationRequest
+from flexmig.policy import inflight
 from tests.unit.engine_fakes import MIB, make_plan, vm_facts
 
 # -- request ------------------------------------------------------------------
@@ -80,6 +81,8 @@ def test_defaults_are_one_set(tmp_path):
         ("dirty_sample_seconds = 2,2", "dirty_sample_seconds"),
         ("allowed_modes =", "allowed_modes"),
         ("stall_timeout = 0", "stall_timeout"),
+        ("converge_timeout = 0.5", "converge_timeout"),
+        ("converge_timeout = nan", "converge_timeout"),
         ("transport = fast", "transport"),
     ],
 )
@@ -246,3 +249,42 @@ def test_progress_re_arms_the_stall_watchdog():
     assert control.on_stats(_stats(1, 150), 14) == []
     assert control.on_stats(_stats(1, 150), 28) == []  # 14 s since the last move
     assert [a.kind for a in control.on_stats(_stats(1, 150), 30)] == [controller.INTERRUPT]
+
+
+def test_a_precopy_that_never_fits_the_budget_is_stopped_after_converge_timeout():
+    plan = make_plan()
+    control = Controller(plan, stall_timeout_s=15, recovers_postcopy=False, converge_timeout_s=30)
+    rounds = len(plan.decision.prediction.rounds)
+    late = rounds + inflight.ROUNDS_OF_SLACK + 1
+
+    def poll(iteration, processed_mib, t):
+        # 40 MiB left at 4 MiB/s: ~10 s of downtime, over any budget
+        return control.on_stats(_stats(iteration, processed_mib, remaining_mib=40, bps_mib=4), t)
+
+    assert poll(late - 1, 400, 0) == []  # the plan's rounds (and slack) not past yet
+    (first,) = poll(late, 500, 5)  # the correction engages here
+    assert first.kind == controller.SET_DOWNTIME
+    control.done(first)
+    assert poll(late, 520, 10) == []
+    assert poll(late + 1, 600, 35) == []
+    (stop,) = poll(late + 1, 610, 36)
+    assert stop.kind == controller.PAUSE_GUEST
+    assert "31 s after the correction engaged" in stop.reason
+    control.done(stop)
+    assert poll(late + 1, 620, 42) == []
+
+
+def test_converge_timeout_runs_even_when_the_raised_limit_never_took_effect():
+    # The CI's libvirt never returned from raising the limit: the executor never
+    # reports it done, the controller asks again, and then stops and copies.
+    plan = make_plan()
+    control = Controller(plan, stall_timeout_s=15, recovers_postcopy=False, converge_timeout_s=30)
+    late = len(plan.decision.prediction.rounds) + inflight.ROUNDS_OF_SLACK + 1
+    stats = _stats(late, 500, remaining_mib=40, bps_mib=4)
+    assert [a.kind for a in control.on_stats(stats, 0)] == [controller.SET_DOWNTIME]
+    assert [a.kind for a in control.on_stats(stats | {"memory_processed": 510 * MIB}, 30)] == [
+        controller.SET_DOWNTIME
+    ]
+    assert [a.kind for a in control.on_stats(stats | {"memory_processed": 520 * MIB}, 31)] == [
+        controller.PAUSE_GUEST
+    ]

@@ -53,3 +53,33 @@ def test_with_the_budget_in_force_and_no_cap_yet_it_keeps_iterating() -> None:
 def test_no_observed_bandwidth_is_no_reason_to_act_early() -> None:
     unknown = dataclasses.replace(SLOW, iteration=2, bandwidth_bps=0)
     assert _adjust(unknown).action == "none"
+
+
+def test_behind_past_converge_timeout_stops_and_copies_without_a_cap() -> None:
+    # A stream trickling at about the dirty rate: rounds grow longer, not more
+    # numerous, so neither the round nor the byte cap comes for minutes.
+    def behind_for(seconds: float, limit_ms: int = 300) -> inflight.Adjustment:
+        return inflight.adjust(
+            SLOW, 4, limit_ms, 300, False, correcting_s=seconds, converge_timeout_s=30
+        )
+
+    assert behind_for(29.0).action == "none"
+    change = behind_for(31.0)
+    assert change.action == "stop_and_copy"
+    assert "31 s after the correction engaged" in change.reason
+    # the raised limit never took effect (libvirt did not answer): stop anyway
+    assert behind_for(31.0, limit_ms=20).action == "stop_and_copy"
+    assert behind_for(29.0, limit_ms=20).action == "raise_downtime"
+
+
+def test_postcopy_is_still_preferred_past_converge_timeout() -> None:
+    change = inflight.adjust(SLOW, 4, 300, 300, True, correcting_s=99, converge_timeout_s=30)
+    assert change.action == "switch_postcopy"
+
+
+def test_behind_needs_both_the_plans_rounds_past_and_a_remainder_over_the_limit() -> None:
+    assert inflight.behind(SLOW, planned_rounds=4, limit_ms=20)
+    assert not inflight.behind(SLOW, planned_rounds=6, limit_ms=20)  # 8 <= 6 + 2 slack
+    assert not inflight.behind(SLOW, planned_rounds=4, limit_ms=400)  # ~308 ms fits
+    capped = dataclasses.replace(SLOW, iteration=31)
+    assert inflight.behind(capped, planned_rounds=40, limit_ms=20)
