@@ -37,7 +37,8 @@ openflow_stats_opts = [
         default=64,
         min=1,
         max=1024,
-        help="Connections served at once; more are accepted and closed at once. "
+        help="Connections served at once, and as many more may wait to be accepted "
+        "while a dump is being encoded; more are accepted and closed at once. "
         "Each waiting connection costs one socket; the table is served one "
         "request at a time, so 20 monitoring clients dumping beside an "
         "operator's ovs-ofctl hold 21 connections at once.",

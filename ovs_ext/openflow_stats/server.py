@@ -29,6 +29,7 @@ LOG = logging.getLogger("flexmig.ovs_ext.openflow_stats")
 READ_CHUNK = 65536  # one recv; a message is at most 64 KiB
 OUTPUT_HIGH_WATER = 256 * 1024  # queued reply bytes per connection
 TICK_S = 0.5  # idle checks and stop requests are noticed this often
+MIN_BACKLOG = 16
 
 
 class EndpointError(exceptions.FlexMigError):
@@ -82,6 +83,10 @@ class OpenFlowStatsServer:
         self._wake_r: socket.socket | None = None  # stop() wakes the loop through it
         self._wake_w: socket.socket | None = None
         self._unix_inode: tuple[int, int] | None = None
+        # Room for every connection the endpoint would serve to wait while the
+        # thread encodes a dump: a full UNIX backlog makes a client's connect()
+        # fail (EAGAIN), which ovs-ofctl reports as "Protocol error".
+        self._backlog = max(MIN_BACKLOG, max_connections)
 
     @classmethod
     def from_config(
@@ -178,7 +183,7 @@ class OpenFlowStatsServer:
             # Connections are refused until listen(), so the socket is never
             # reachable with the wider default mode.
             os.chmod(path, self._unix_mode)
-            sock.listen(16)
+            sock.listen(self._backlog)
         except OSError as exc:
             sock.close()
             raise EndpointError(where=path, reason=exc.strerror or str(exc)) from exc
@@ -192,7 +197,7 @@ class OpenFlowStatsServer:
         try:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             sock.bind((address, port))
-            sock.listen(16)
+            sock.listen(self._backlog)
         except OSError as exc:
             sock.close()
             raise EndpointError(where=f"{address}:{port}", reason=exc.strerror or str(exc)) from exc

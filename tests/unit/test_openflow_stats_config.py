@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import stat
+import threading
 
 import pytest
 from oslo_config import cfg
@@ -67,3 +68,35 @@ def test_a_missing_directory_is_a_clear_error(tmp_path):
     server = OpenFlowStatsServer(lambda: [], unix_socket=str(tmp_path / "no" / "x.mgmt"))
     with pytest.raises(EndpointError, match="No such file or directory"):
         server.start()
+
+
+def test_clients_connecting_while_a_dump_is_encoded_wait_instead_of_failing(tmp_path):
+    """Every connection the endpoint would serve can queue while its one thread
+    is busy with a dump (a full backlog fails a client's connect: ovs-ofctl's
+    "Protocol error" beside 20 dumping clients)."""
+    path = str(tmp_path / "busy.mgmt")
+    busy, release = threading.Event(), threading.Event()
+
+    def slow_records():
+        busy.set()
+        release.wait(10)
+        return []
+
+    clients = []
+    with OpenFlowStatsServer(slow_records, unix_socket=path, max_connections=40):
+        try:
+            first = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            clients.append(first)
+            first.connect(path)
+            first.sendall(codec.encode_hello({4}))
+            first.sendall(codec.encode_flow_stats_request(codec.FlowStatsRequest(), 1))
+            assert busy.wait(10), "the dump never asked for records"
+            for _ in range(39):  # the thread is held in the dump: nobody accepts
+                client = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                clients.append(client)
+                client.setblocking(False)
+                client.connect(path)  # BlockingIOError once the backlog is full
+        finally:
+            release.set()
+            for client in clients:
+                client.close()
