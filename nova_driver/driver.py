@@ -29,6 +29,7 @@ destination; after a VM leaves a host, any reservation it held there goes.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Any
 
@@ -322,6 +323,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             return
         try:
             plan = self._plan(instance, offer)
+            offer = self._drop_unused_receivers(instance, offer, plan, migrate_data)
             uri = self._start_senders(plan, offer)
         except NOT_MIGRATABLE as exc:
             LOG.error("FlexMig: %s; the VM stays on this host", exc, instance=instance)
@@ -369,6 +371,32 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             "ports": list(offer.mover.ports[:streams]),
         }
         return str(self._local_agent().post("/v1/mover/send", body)["uri"])
+
+    def _drop_unused_receivers(
+        self, instance: Any, offer: DestinationOffer, plan: Plan, migrate_data: Any
+    ) -> DestinationOffer:
+        """The destination's receiving movers, aborted where the plan does not use them.
+
+        The destination starts them before there is a plan; a postcopy plan
+        between hosts whose libvirt turns postcopy-preempt on goes over QEMU's
+        own TCP instead (``flexmig.policy.transport.preempt_conflict``).  The
+        offer then names no movers, so the job's end does not wait 30 s on
+        receivers that never saw a connection and a postcopy recovery does not
+        reopen a pair the stream never used.
+        """
+        if offer.mover is None or plan.transport.transport == "mover":
+            return offer
+        dest_agent = planning.destination_agent(
+            offer, CONF.flexmig.agent_timeout, CONF.flexmig.agent_ca_file
+        )
+        try:
+            dest_agent.post(
+                "/v1/mover/finish", {"migration_id": offer.mover.migration_id, "abort": True}
+            )
+        except exceptions.FlexMigError as exc:
+            LOG.warning("FlexMig: unused destination movers: %s", exc, instance=instance)
+        migrate_data.flexmig_offer.mover = None
+        return dataclasses.replace(offer, mover=None)
 
     def _finish_movers(self, offer: DestinationOffer | None, ok: bool) -> None:
         """Both sides' movers once the job ended: statistics, or killed after a failure."""

@@ -86,7 +86,9 @@ def request_for(
     """What Nova asks of a migration: its own bandwidth cap and parallel connections
     ([libvirt] live_migration_bandwidth, live_migration_parallel_connections),
     the engine's transport.  The destination already resolved the transport (it
-    started receiving movers, or did not): the mover exactly where it did."""
+    started receiving movers, or did not): the mover exactly where it did, unless
+    the plan leaves it for QEMU's TCP (``preempt_conflict``: postcopy where libvirt
+    turns postcopy-preempt on)."""
     transport = "mover" if offer.mover else opts.transport
     if transport == "mover" and not offer.mover:
         transport = "qemu-tcp"

@@ -12,7 +12,8 @@ and, after a postcopy switch, once the pages it touches first have arrived:
   115 ms on a loaded machine);
 - postcopy faults: after a switch, each page the guest touches that has not
   arrived is fetched on demand, behind the pages already queued on the stream
-  unless postcopy-preempt gives faults a channel of their own;
+  unless postcopy-preempt gives faults a channel of their own (libvirt turns
+  it on by itself where both ends have it: ``knobs.choose_preempt``);
 - the destination's writeback of a file-backed guest's memory file, which
   an older QEMU's msync or libvirt's fsync of the persisted domain waits for
   before the guest runs (``writeback.switchover_writeback``): 150-330 ms per
@@ -32,9 +33,17 @@ RESUME_S = 0.035
 # buffers and QEMU's send queue), times the faults that stall the guest in a
 # row: fitted to docs/benchmarks/modes.md's hot hybrid run (328 ms guest gap,
 # 50 ms QEMU downtime, at 100 MiB/s): ~24 MiB of queue drained before the
-# guest runs again.  With preempt a fault waits for one page and a round trip.
+# guest runs again.
 FAULT_QUEUE_BYTES = 24 * MIB
-PREEMPT_FAULT_S = 0.010
+# With postcopy-preempt (which libvirt >= 10.0 turns on by itself) a fault no
+# longer waits for the queue, but the hot guest still stalls on the burst of
+# pages it touches first, each a round trip under TCG: the stall with preempt
+# was measured, not derived.  Hot hybrid runs on libvirt 11.3, where libvirt
+# had turned preempt on unasked: guest gaps 208 ms (docs/benchmarks/downtime.md)
+# and 320 ms (downtime-current-hosts.md) against 328 ms without it (modes.md,
+# libvirt 9.0); less the 85 ms of device state and resume, 123-235 ms of
+# faults: 200 ms.  (A 10 ms guess before.)
+PREEMPT_FAULT_S = 0.200
 
 PARTS = ("stop-and-copy", "device state", "finish and resume", "postcopy faults")
 NO_WRITEBACK = writeback.SwitchoverWriteback()
@@ -70,7 +79,7 @@ def predict(
     >>> predict(p, "postcopy", 0.05, 100 * MIB, preempt=False).describe()
     '325 ms (device state 50, finish and resume 35, postcopy faults 240)'
     >>> predict(p, "postcopy", 0.05, 100 * MIB, preempt=True).total_ms
-    95.0
+    285.0
     >>> w = writeback.SwitchoverWriteback(msync_s=0.2, reason="old QEMU")
     >>> f = predict(p, "precopy", 0.05, 100 * MIB, False, dest_writeback=w)
     >>> f.describe(), f.reasons

@@ -18,9 +18,11 @@ MIB = 2**20
 VIR_MIGRATE_COMPRESSED = 1 << 11
 VIR_MIGRATE_PARALLEL = 1 << 17
 VIR_MIGRATE_ZEROCOPY = 1 << 20
-# Proposed for libvirt 10.0 (devel list, 2023-12) but in no release: the lab's
-# libvirt 11.3 refuses it ("unsupported flags (0x200000)").  Kept for the
-# libvirt that adds it; FEATURES says none offers it today.
+# Proposed for libvirt 10.0 (devel list, 2023-12) but never merged: the lab's
+# libvirt 11.3 refuses it ("unsupported flags (0x200000)").  libvirt 10.0
+# instead turns QEMU's postcopy-preempt on by itself for every postcopy
+# migration both ends support (its NEWS for 10.0).  Never sent; listed so a
+# caller's flags (Nova's) are stripped of it.
 VIR_MIGRATE_POSTCOPY_PREEMPT = 1 << 21
 # Typed-parameter names (strings: the binding needs no constant for them).
 PARAM_PARALLEL_CONNECTIONS = "parallel.connections"
@@ -101,12 +103,13 @@ FEATURES = {
         # runs; libvirt's acceptance of both flags is assumed from 11.6, not
         # yet seen in the lab (QEMU 10.0, libvirt 11.3).
         Feature("parallel-postcopy", 11_006_000, 10_001_000, "parallel connections with postcopy"),
+        # No flag: libvirt 10.0 enables QEMU's capability for every postcopy
+        # migration where both ends' QEMU has it (QEMU 8.0).
         Feature(
             "postcopy-preempt",
-            None,
+            10_000_000,
             8_000_000,
-            "a channel of its own for faulted pages",
-            "no libvirt release offers the flag (11.3 refuses the proposed 1<<21)",
+            "a channel of its own for faulted pages, turned on by libvirt itself for postcopy",
         ),
         Feature("multifd-zstd", 9_004_000, 5_000_000, "zstd compression of parallel channels"),
         Feature("zerocopy", 8_005_000, 7_001_000, "zero-copy send of parallel channels"),
@@ -181,10 +184,9 @@ class Knobs:
 
     # The parallel flag and connection count are the plan's (Plan.mode_flags,
     # Plan.params), which callers may narrow; these are the rest.
+    # postcopy_preempt is what libvirt will do by itself: it has no flag.
     def flags(self) -> int:
         flags = 0
-        if self.postcopy_preempt:
-            flags |= VIR_MIGRATE_POSTCOPY_PREEMPT
         if self.compression:
             flags |= VIR_MIGRATE_COMPRESSED
         if self.zerocopy:
@@ -269,24 +271,39 @@ parallel-postcopy (needs QEMU 10.1.0): a single stream')
     )
 
 
-def choose_preempt(inp: KnobInputs, parallel: int) -> tuple[bool, str]:
-    """Postcopy-preempt for every plan that switches to postcopy, where both ends have it."""
+def choose_preempt(inp: KnobInputs) -> tuple[bool, str]:
+    """Whether libvirt will turn postcopy-preempt on: not a choice but a forecast.
+
+    libvirt (10.0 on) enables it for every postcopy migration where both ends
+    support it, and offers no flag to ask for it or to refuse it.  The plan's
+    transport has already moved off the mover where that is so
+    (``flexmig.policy.transport.preempt_conflict``).
+
+    >>> inp = KnobInputs("postcopy", 0, 64 * MIB, None, False, "qemu-tcp", 1.0,
+    ...                  {"postcopy-preempt": "no: destination needs libvirt 10.0.0"}, False)
+    >>> choose_preempt(inp)
+    (False, 'postcopy-preempt: off (destination needs libvirt 10.0.0): faulted pages queue \
+behind the background stream, each guest fault waits longer')
+    >>> choose_preempt(dataclasses.replace(inp, features={"postcopy-preempt": "yes"}))[0]
+    True
+    """
     if inp.transfer != "postcopy":
         return False, "postcopy-preempt: not used, the plan does not switch to postcopy"
     blocked = _has(inp, "postcopy-preempt")
+    if blocked and _refused(inp, "postcopy-preempt") is None:
+        return False, (
+            f"postcopy-preempt: unknown ({blocked}): libvirt decides by itself, the "
+            "forecast assumes it off"
+        )
     if blocked:
         return False, (
-            f"postcopy-preempt: not available ({blocked}): faulted pages queue behind the "
-            "background stream, each guest fault waits longer"
-        )
-    if inp.transport != "qemu-tcp":
-        return False, (
-            f"postcopy-preempt: not over the {inp.transport} transport (it carries a fixed "
-            "set of streams; preempt opens one more)"
+            f"postcopy-preempt: off ({blocked}): faulted pages queue behind "
+            "the background stream, each guest fault waits longer"
         )
     return True, (
-        "postcopy-preempt: faulted pages take a channel of their own instead of queueing "
-        "behind the background stream"
+        "postcopy-preempt: on, libvirt turns it on by itself for postcopy between these "
+        "hosts: faulted pages take a channel of their own instead of queueing behind the "
+        "background stream"
     )
 
 
@@ -353,7 +370,7 @@ def choose_switchover_hint(inp: KnobInputs) -> tuple[int | None, str]:
 def choose(inp: KnobInputs) -> Knobs:
     """Every knob for one migration, each with its reason."""
     parallel, why_parallel = choose_parallel(inp)
-    preempt, why_preempt = choose_preempt(inp, parallel)
+    preempt, why_preempt = choose_preempt(inp)
     compression, why_compression = choose_compression(inp, parallel)
     zerocopy, why_zerocopy = choose_zerocopy(inp, parallel, compression)
     hint, why_hint = choose_switchover_hint(inp)

@@ -21,7 +21,7 @@ from flexmig.migration.options import EngineOptions
 from flexmig.migration.request import MigrationRequest
 from flexmig.policy import dirty_model
 from flexmig.policy.decision import Decision, MigrationInputs, decide, split_budget
-from flexmig.policy.transport import TransportChoice, choose_transport
+from flexmig.policy.transport import TransportChoice, choose_transport, preempt_conflict
 
 MIB = 2**20
 # Filesystems whose files userfaultfd can serve for postcopy (missing mode);
@@ -296,6 +296,12 @@ def plan(
         )
     transport = choose_transport(request.transport, rdma_both_ends, opts.tcp_fabric_transport)
     features = knobs.feature_matrix(source.software, dest.software)
+    # Whoever asked for the mover (the agent's caller, Nova's destination that
+    # started receivers): a postcopy plan where libvirt turns preempt on fails
+    # at the switch over it.
+    transport = (
+        preempt_conflict(transport, decision.transfer, features["postcopy-preempt"]) or transport
+    )
     chosen = knobs.choose(
         knobs.KnobInputs(
             transfer=decision.transfer,

@@ -42,3 +42,42 @@ def choose_transport(requested: str, rdma_both_ends: bool, tcp_default: str) -> 
         tcp_default,
         f"TCP-only fabric: {tcp_default} measured faster " "there (docs/benchmarks/mover.md)",
     )
+
+
+def preempt_conflict(
+    transport: TransportChoice, transfer: str, preempt: str
+) -> TransportChoice | None:
+    """QEMU's own TCP instead of the mover where libvirt may turn postcopy-preempt on.
+
+    libvirt (10.0 on) turns QEMU's postcopy-preempt on by itself for every
+    postcopy migration both ends support, with no flag to refuse it.  At the
+    switch the source QEMU then opens a second connection to the migration
+    URI; the mover serves one connection per socket, so the switch fails
+    ("postcopy_start: Failed to establish preempt channel ... Connection
+    refused").  ``preempt``: the pair's ``feature_matrix`` state ('yes',
+    'no: why', 'unknown: why'); an unknown host may turn it on too.  None:
+    no conflict, the choice stands.
+
+    >>> mover = TransportChoice("mover", "mover was requested")
+    >>> preempt_conflict(mover, "postcopy", "yes").transport
+    'qemu-tcp'
+    >>> preempt_conflict(mover, "precopy", "yes") is None
+    True
+    >>> preempt_conflict(mover, "postcopy", "no: source needs libvirt 10.0.0") is None
+    True
+    >>> preempt_conflict(TransportChoice("qemu-tcp", "asked"), "postcopy", "yes") is None
+    True
+    """
+    if transport.transport != "mover" or transfer != "postcopy" or preempt.startswith("no"):
+        return None
+    why = (
+        "libvirt turns QEMU's postcopy-preempt on by itself between these hosts"
+        if preempt == "yes"
+        else f"libvirt may turn QEMU's postcopy-preempt on ({preempt.split(': ', 1)[-1]})"
+    )
+    return TransportChoice(
+        "qemu-tcp",
+        f"instead of the mover ({transport.reason}): the plan switches to postcopy and {why}; "
+        "its second connection, opened at the switch, has no place on the mover's single "
+        "socket and the switch would fail",
+    )

@@ -1,8 +1,12 @@
 """The plan's QEMU/libvirt knobs on real hosts: what each host reports, what libvirt takes.
 
-The knobs past libvirt 9.0 (the switchover bandwidth hint) need the lab on
-libvirt 11 (``FLEXMIG_LAB_LIBVIRT=backports``); on Debian 12's libvirt 9.0 the
-test checks that they are left out and explain says why.
+The knobs past libvirt 9.0 (the switchover bandwidth hint, postcopy-preempt)
+need the lab on libvirt 11 (``FLEXMIG_LAB_LIBVIRT=backports``); on Debian 12's
+libvirt 9.0 the test checks that they are left out and explain says why.
+
+The move is asked over the mover: where libvirt turns postcopy-preempt on by
+itself (10.0 on) the plan must leave it for QEMU's own TCP, or the switch
+fails ("Failed to establish preempt channel"); on 9.0 the mover carries it.
 """
 
 from __future__ import annotations
@@ -29,27 +33,37 @@ def test_a_hot_vms_hybrid_move_uses_what_both_hosts_support(lab):
         name="knobs",
     )
     try:
-        plan = migrate_cli.explain(lab, "knobs", "B", bandwidth_mib=64)
+        asked = dict(bandwidth_mib=64, transport="mover")
+        plan = migrate_cli.explain(lab, "knobs", "B", **asked)
         assert plan["mode"] == "postcopy", plan["explanation"]
         features = plan["features"]
         text = plan["explanation"]
         assert "hosts: source libvirt" in text
-        # No libvirt offers postcopy-preempt's flag (11.3 refused it here).
-        assert features["postcopy-preempt"].startswith("no: no libvirt release"), text
-        assert not plan["knobs"]["postcopy_preempt"]
         if BACKPORTS:
+            # libvirt 11.3 turns preempt on by itself (no flag): QEMU's TCP, not the mover.
+            assert features["postcopy-preempt"] == "yes", text
+            assert plan["knobs"]["postcopy_preempt"], text
+            assert plan["transport"] == "qemu-tcp", text
+            assert "instead of the mover" in text
             assert features["switchover-bandwidth"] == "yes", text
             assert plan["knobs"]["avail_switchover_mib"] == 64
         else:
+            assert features["postcopy-preempt"] == "no: source needs libvirt 10.0.0; " + (
+                "destination needs libvirt 10.0.0"
+            ), text
+            assert not plan["knobs"]["postcopy_preempt"]
+            assert plan["transport"] == "mover", text
+            assert "postcopy-preempt: off (source needs libvirt 10.0.0" in text
             assert features["switchover-bandwidth"].startswith("no: source needs libvirt 11.1.0")
             assert plan["knobs"]["avail_switchover_mib"] is None
             assert "switchover bandwidth hint: not available" in text
-        result = migrate_cli.migrate(lab, "knobs", "B", show=False, bandwidth_mib=64)
+        result = migrate_cli.migrate(lab, "knobs", "B", show=False, **asked)
         # libvirt took every flag and parameter the plan chose, and the guest is whole.
         assert result["state"] == "completed", result.get("error")
         assert result["running_on"] == "B" and result["switched_to_postcopy"]
         assert (result["verify"]["bad"], result["verify"]["lost"]) == (0, 0)
         assert result["knobs"]["postcopy_preempt"] == plan["knobs"]["postcopy_preempt"]
+        assert result["transport"] == plan["transport"]
         # The summary carries the downtime's parts and the budget's verdict.
         parts = result["downtime_parts_ms"]
         assert parts["guest_ms"] == result["guest_observed_downtime_ms"]
@@ -63,7 +77,8 @@ def test_a_hot_vms_hybrid_move_uses_what_both_hosts_support(lab):
         exceeded = result["downtime_exceeded_ms"]
         assert (exceeded is None) == (result["guest_observed_downtime_ms"] <= budget)
         print(
-            f"\nknobs: {result['knobs']}; guest {parts['guest_ms']} ms, QEMU "
+            f"\nknobs: {result['knobs']}; transport {result['transport']}; "
+            f"guest {parts['guest_ms']} ms, QEMU "
             f"{parts['qemu_downtime_ms']} ms, predicted {result['predicted_guest_downtime_ms']}"
             f" ms ({result['predicted_downtime_parts_ms']})"
         )

@@ -63,3 +63,46 @@ def test_peer_endpoint_falls_back_to_the_offer_on_facts_without_a_usable_one(age
         "address": "/run/flexmig/agent.sock",
         "port": 0,
     }
+
+
+class _Receivers:
+    """The destination agent, as far as its movers go."""
+
+    def __init__(self) -> None:
+        self.posts: list[tuple[str, dict]] = []
+
+    def post(self, path: str, body: dict, **kw) -> dict:
+        self.posts.append((path, body))
+        return {"aborted": True}
+
+
+@pytest.mark.parametrize(("carried_by", "dropped"), [("qemu-tcp", True), ("mover", False)])
+def test_receivers_the_plan_does_not_use_are_aborted_and_leave_the_offer(
+    monkeypatch, carried_by, dropped
+) -> None:
+    # Nova's destination starts receivers before the plan exists; a postcopy plan
+    # where libvirt turns postcopy-preempt on goes over QEMU's TCP instead, and
+    # the receivers must neither hold the job's end (30 s) nor be reopened for a
+    # postcopy recovery.
+    import types
+
+    from flexmig.policy.transport import TransportChoice
+    from nova_driver import driver
+
+    offer = migrate_data.DestinationOffer(
+        "10.250.0.12", 9797, "s", "k", 1, 1, None,
+        mover=migrate_data.MoverOffer("m1", "salt", "10.250.0.12", (7471,)),
+    )  # fmt: skip
+    data = migrate_data.FlexMigLiveMigrateData.extend(
+        nova_migrate_data.LibvirtLiveMigrateData(block_migration=False, bdms=[]), offer
+    )
+    dest = _Receivers()
+    monkeypatch.setattr(planning, "destination_agent", lambda offer, timeout, ca: dest)
+    plan = types.SimpleNamespace(transport=TransportChoice(carried_by, "why"))
+    nova = driver.FlexMigLibvirtDriver.__new__(driver.FlexMigLibvirtDriver)
+    kept = nova._drop_unused_receivers(None, offer, plan, data)
+    if dropped:
+        assert dest.posts == [("/v1/mover/finish", {"migration_id": "m1", "abort": True})]
+        assert kept.mover is None and migrate_data.offer_of(data).mover is None
+    else:
+        assert dest.posts == [] and kept == offer == migrate_data.offer_of(data)

@@ -23,7 +23,7 @@ from flexmig.migration import facts  # noqa: E402
 from flexmig.migration.options import EngineOptions  # noqa: E402
 from flexmig.migration.request import MigrationRequest  # noqa: E402
 from nova_driver import planning  # noqa: E402
-from nova_driver.migrate_data import DestinationOffer  # noqa: E402
+from nova_driver.migrate_data import DestinationOffer, MoverOffer  # noqa: E402
 
 MIB = 2**20
 PAGE = 4096
@@ -150,9 +150,10 @@ def _agent_plan(guest: Guest, dest_free_mib: int, store, monkeypatch, dest_facts
     return service.plan(MigrationRequest(vm="vm1", **asked), dest)
 
 
-def _nova_plan(guest: Guest, dest_free_mib: int, store, split_reserved: bool, **asked):
+def _nova_plan(guest: Guest, dest_free_mib: int, store, split_reserved: bool, mover=None, **asked):
     dom = FakeDomain(guest)
     offer = DestinationOffer(
+        mover=mover,
         agent_address="10.250.0.2",
         agent_port=9797,
         scope="migration/m1/vm1/1900000000",
@@ -253,3 +254,29 @@ def test_both_paths_forecast_the_destinations_writeback_the_same(
     # 200 MiB resident, 40 % left dirty by the flusher, at the probed 500 MiB/s.
     assert parts[part] == pytest.approx(160, abs=1)
     assert f"{part} 160" in nova.explain()
+
+
+RECEIVERS = MoverOffer(migration_id="m1", token_salt="s", address="10.250.0.2", ports=(7001,))
+
+
+@pytest.mark.parametrize(
+    ("dest_libvirt", "carried_by", "preempt"),
+    [
+        (LIBVIRT_VERSION, "qemu-tcp", True),  # libvirt 11.3 turns preempt on: not the mover
+        (9_000_000, "mover", False),  # Debian 12's 9.0 does not: the mover carries postcopy
+    ],
+)
+def test_both_paths_leave_the_mover_for_postcopy_where_libvirt_turns_preempt_on(
+    tmp_path, monkeypatch, dest_libvirt, carried_by, preempt
+):
+    # The agent is asked for the mover; Nova's destination already started receivers.
+    dest = SOFTWARE | {"libvirt_version": dest_libvirt}
+    monkeypatch.setattr(AgentClient, "get", lambda self, path, **kw: dict(dest))
+    hot = Guest(file_backed=False, dirty_mib_per_s=HOT)
+    agent = _agent_plan(hot, 4096, tmp_path, monkeypatch, dest_facts=dest, transport="mover")
+    nova = _nova_plan(hot, 4096, tmp_path, split_reserved=False, mover=RECEIVERS)
+    assert agent.mode == nova.mode == "postcopy"
+    assert agent.transport == nova.transport
+    assert agent.transport.transport == carried_by
+    assert agent.knobs.postcopy_preempt is nova.knobs.postcopy_preempt is preempt
+    assert agent.guest_downtime == nova.guest_downtime
