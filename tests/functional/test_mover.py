@@ -130,6 +130,16 @@ def test_hybrid_postcopy_through_the_mover_uses_the_return_path(lab):
         name="mv2",
     )
     try:
+        if os.environ.get("FLEXMIG_LAB_LIBVIRT") == "backports":
+            # libvirt 11.3 turns postcopy-preempt on by itself, whose second
+            # connection the mover cannot take: the plan leaves the mover.
+            result = migrate_cli.migrate(
+                lab, "mv2", "B", show=False, transport="mover", mode="postcopy", bandwidth_mib=64
+            )
+            assert result["state"] == "completed", result.get("error")
+            assert result["transport"] == "qemu-tcp" and result["switched_to_postcopy"]
+            assert (result["verify"]["bad"], result["verify"]["lost"]) == (0, 0)
+            return
         result = _through_mover(lab, "mv2", mode="postcopy", bandwidth_mib=64)
         assert result["switched_to_postcopy"]
         # Page requests (and QEMU's acks) came back from the destination.

@@ -20,7 +20,7 @@ modules and firmware over the system paths, so libvirt runs
 
 libvirt can come the same way (11.x; Debian 12 has 9.0) with
 ``FLEXMIG_LAB_LIBVIRT=backports``, because the knobs the migration plan is to
-pick need it: postcopy-preempt (not in 9.0's API), the switchover bandwidth
+pick need it: postcopy-preempt (libvirt turns it on itself from 10.0), the switchover bandwidth
 hint, multifd compression levels.  Each host then binds its daemons, driver
 modules, data (cpu_map), virsh and the client libraries (its agent's
 libvirt-python then speaks 11.x too) over the system's.  The default,
