@@ -36,14 +36,16 @@ RESUME_S = 0.035
 # guest runs again.
 FAULT_QUEUE_BYTES = 24 * MIB
 # With postcopy-preempt (which libvirt >= 10.0 turns on by itself) a fault no
-# longer waits for the queue, but the hot guest still stalls on the burst of
-# pages it touches first, each a round trip under TCG: the stall with preempt
-# was measured, not derived.  Hot hybrid runs on libvirt 11.3, where libvirt
-# had turned preempt on unasked: guest gaps 208 ms (docs/benchmarks/downtime.md)
-# and 320 ms (downtime-current-hosts.md) against 328 ms without it (modes.md,
-# libvirt 9.0); less the 85 ms of device state and resume, 123-235 ms of
-# faults: 200 ms.  (A 10 ms guess before.)
-PREEMPT_FAULT_S = 0.200
+# longer waits behind the queue, yet the hot guest's stall after the switch
+# shrank only by a sixth and still scales with the stream's rate: measured,
+# not derived.  Hot hybrid runs where libvirt had turned preempt on unasked
+# (libvirt 11.3): guest gaps 208 and 320 ms at 100 MiB/s (docs/benchmarks/
+# downtime.md, downtime-current-hosts.md) and 405 ms at 64 MiB/s
+# (tests/functional/test_knobs.py), against 328 ms at 100 (modes.md) and 466 ms
+# at 64 (test_knobs.py over the mover) on libvirt 9.0 without it.  Less the
+# 85 ms of device state and resume: ~20 MiB of stream per stall (200 ms at
+# 100 MiB/s; 312 at 64).  (A flat 10 ms guess before.)
+PREEMPT_FAULT_BYTES = 20 * MIB
 
 PARTS = ("stop-and-copy", "device state", "finish and resume", "postcopy faults")
 NO_WRITEBACK = writeback.SwitchoverWriteback()
@@ -88,7 +90,8 @@ def predict(
     stop_copy_s = max(0.0, prediction.downtime_s - switchover_s)
     faults_s = 0.0
     if transfer == "postcopy":
-        faults_s = PREEMPT_FAULT_S if preempt else FAULT_QUEUE_BYTES / bandwidth_bps
+        queued = PREEMPT_FAULT_BYTES if preempt else FAULT_QUEUE_BYTES
+        faults_s = queued / bandwidth_bps
     parts = dict(zip(PARTS, (stop_copy_s, switchover_s, resume_s, faults_s), strict=True))
     parts |= dest_writeback.parts_s()
     reasons = (dest_writeback.reason,) if dest_writeback.reason else ()
