@@ -248,6 +248,17 @@ class FlowManager:
             was_off + (offloaded or FlowCounters()),
         )
 
+    def expire_kept(self, seconds: float) -> list[FlowMatch]:
+        """Forget kept counters not claimed by a flow seen again within ``seconds``
+        of their restore, as an idle flow is forgotten (its counters with it)."""
+        cutoff = self.clock() - seconds
+        expired = [m for m, since in self._kept_since.items() if since < cutoff]
+        for match in expired:
+            self._kept_since.pop(match)
+            self._kept_ids.pop(match, None)
+            self._restored.pop(match, None)
+        return expired
+
     def _take_id(self) -> int:
         flow_id = self._next_id
         self._next_id += 1

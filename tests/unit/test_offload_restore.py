@@ -169,3 +169,15 @@ def test_kept_flows_are_shown_right_after_a_restart_until_seen_again():
     mine = [r for r in next_run.records(ports) if r.match.get("udp_src") == 4000]
     assert [(r.table_id, r.packets, r.cookie) for r in mine] == [(0, 228, kept_cookie)]
     assert next_run.records({}.get) == []  # ports gone: nothing to show them under
+
+
+def test_kept_counters_no_flow_claims_are_forgotten_after_the_idle_timeout():
+    now = [100.0]
+    manager = FlowManager(clock=lambda: now[0])
+    manager.restore(MATCH, ruled=FlowCounters(5, 300))
+    now[0] += 299.0
+    assert manager.expire_kept(300.0) == [] and len(manager.records({"tap0": 3}.get)) == 1
+    now[0] += 2.0
+    assert manager.expire_kept(300.0) == [MATCH]
+    assert manager.records({"tap0": 3}.get) == [] and manager.restored() == {}
+    assert seen_again(manager).total == FlowCounters()  # a new flow, counted from 0
