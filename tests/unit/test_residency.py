@@ -6,6 +6,8 @@ import ctypes
 import mmap
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -191,3 +193,36 @@ def _write_back_and_page_out(child, path):
 def test_find_names_a_process_without_such_a_mapping():
     with pytest.raises(LookupError, match="no 3 MiB file mapping"):
         residency.GuestRam.find(os.getpid(), 3 * MIB + 4096)
+
+
+def test_the_keeper_counts_a_writers_chunks_once_per_write_with_cachestat(tmp_path):
+    from agents.agent import cachestat, split_store
+
+    path = tmp_path / "guest.ram"
+    child = _Child(path, 8 * MIB, pause_before_writing=True)
+    keeper = split_store.ResidencyKeeper(
+        split_store.SplitStore(str(tmp_path), str(tmp_path)), "vm", threading.Event()
+    )
+    ram = residency.GuestRam.find(child.pid, 8 * MIB)
+    fds = [os.open(path, os.O_RDONLY), -1, os.open(f"/proc/{child.pid}/pagemap", os.O_RDONLY), -1]
+    try:
+        if not cachestat.available(fds[0]):
+            pytest.skip("this kernel has no cachestat (Linux >= 6.5)")
+        state = split_store._Chunks(ages=[0] * 8, writes=[0] * 8)
+        keeper._look(ram, fds, state)
+        assert state.writes == [0] * 8  # mapped, nothing written yet
+        child.release()
+        while not child.done():
+            time.sleep(0.01)
+        scan = keeper._look(ram, fds, state)
+        assert scan.resident == [256] * 8  # present bits need no root
+        if state.writes != [1] * 8:
+            pytest.skip("the kernel's flusher wrote the file back before the look")
+        ram.write_back(fds[0], range(8), wait=True)
+        keeper._look(ram, fds, state)
+        assert state.writes == [1] * 8 and state.dirty == set()
+    finally:
+        child.stop()
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
