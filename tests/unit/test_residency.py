@@ -226,3 +226,79 @@ def test_the_keeper_counts_a_writers_chunks_once_per_write_with_cachestat(tmp_pa
         for fd in fds:
             if fd >= 0:
                 os.close(fd)
+
+
+class _ReaderWriter:
+    """A process mapping a file shared: it writes the low half and only reads the high half,
+    like an incoming QEMU writing the guest's kernel and comparing zero pages."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        path.write_bytes(b"")
+        os.truncate(path, size)
+        from_child, to_parent = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - the child
+            mem = mmap.mmap(os.open(path, os.O_RDWR), size, mmap.MAP_SHARED)
+            for offset in range(0, size // 2, 4096):
+                mem[offset : offset + 8] = offset.to_bytes(8, "little")
+            for offset in range(size // 2, size, 4096):
+                _ = mem[offset]
+            os.write(to_parent, b"D")
+            signal.pause()
+            os._exit(0)
+        os.close(to_parent)
+        assert os.read(from_child, 1) == b"D"
+        os.close(from_child)
+
+    def stop(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+
+
+class _Usage:
+    """A store whose VM is charged what its mapping holds (no cgroup needed)."""
+
+    def __init__(self) -> None:
+        self.charge = 0
+
+    def usage(self, vm: str) -> dict[str, int]:
+        return {"usage_bytes": self.charge}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="process_madvise of another process needs root")
+def test_the_keeper_drops_never_written_chunks_before_written_ones_once_ages_are_forgotten(
+    tmp_path,
+):
+    from agents.agent import cachestat, split_store
+
+    path = tmp_path / "guest.ram"
+    child = _ReaderWriter(path, 8 * MIB)
+    store = _Usage()
+    keeper = split_store.ResidencyKeeper(store, "vm", threading.Event())  # type: ignore[arg-type]
+    ram = residency.GuestRam.find(child.pid, 8 * MIB)
+    fds = [os.open(path, os.O_RDONLY), os.pidfd_open(child.pid)]
+    fds += [os.open(f"/proc/{child.pid}/pagemap", os.O_RDONLY), -1]
+    try:
+        if not cachestat.available(fds[0]):
+            pytest.skip("this kernel has no cachestat (Linux >= 6.5)")
+        state = split_store._Chunks(ages=[0] * 8, writes=[0] * 8)
+        marks = split_store._Marks(target=6 * MIB, low=4 * MIB)
+        for _ in range(9):  # the written half's ages decay to 0 again
+            keeper._look(ram, fds, state)
+            ram.write_back(fds[0], range(8), wait=True)
+        if state.writes != [1, 1, 1, 1, 0, 0, 0, 0]:
+            pytest.skip(f"the kernel's flusher cleaned chunks before the first look: {state}")
+        assert state.ages == [0] * 8
+        store.charge = 8 * MIB  # over the 6 MiB target: down to 4 MiB
+        keeper._step(ram, fds, marks, state)
+        after = ram.scan(fds[2], None).resident
+        assert after == [256] * 4 + [0] * 4  # by age and address alone: the written half
+        taken = keeper.stats["dropped_pages_by_class"]
+        assert taken == {"never written": 4 * 256, "written once": 0, "rewritten": 0}
+    finally:
+        child.stop()
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+    data = path.read_bytes()
+    assert all(int.from_bytes(data[o : o + 8], "little") == o for o in range(0, 4 * MIB, 4096))
