@@ -245,6 +245,7 @@ class OffloadControl:
         used: an offloaded flow's rule sees no packets while it is busy)."""
         if self.idle_timeout <= 0:
             return ()
+        self.flows.expire_kept(self.idle_timeout)
         idle = tuple(f for f in self.flows.idle_since(self.idle_timeout) if not f.held)
         self._onload(
             tuple(f.match for f in idle if f.state is FlowState.OFFLOADED), "idle: expired"

@@ -168,6 +168,12 @@ class FlowManager:
         # Counters of flows no longer tracked, by match: (in rules, other onloaded,
         # offloaded).  Bounded by the flows the bridge and the provider held.
         self._restored: dict[FlowMatch, tuple[FlowCounters, FlowCounters, FlowCounters]] = {}
+        # The flow id (so the cookie) each of those is shown under until it is seen
+        # again, and since when: an operator's dump right after a restart or a
+        # reconnection still lists every flow with what it counted, and the flow
+        # keeps that cookie once it is tracked again.
+        self._kept_ids: dict[FlowMatch, int] = {}
+        self._kept_since: dict[FlowMatch, float] = {}
 
     # -- membership -----------------------------------------------------------
     def get(self, match: FlowMatch) -> TrackedFlow | None:
@@ -195,8 +201,12 @@ class FlowManager:
         flow = self._flows.get(match)
         if flow is not None:
             return flow
+        flow_id = self._kept_ids.pop(match, None)
+        self._kept_since.pop(match, None)
+        if flow_id is None:
+            flow_id = self._take_id()
         flow = TrackedFlow(
-            flow_id=self._next_id,
+            flow_id=flow_id,
             match=match,
             owner=owner,
             direction=direction,
@@ -204,7 +214,6 @@ class FlowManager:
             first_seen=self.clock(),
             setup=setup,
         )
-        self._next_id += 1
         ruled, other, offloaded = self._restored.pop(match, (FlowCounters(),) * 3)
         flow.restored_onloaded, flow.restored_offloaded = ruled + other, offloaded
         self._flows[match] = flow
@@ -228,6 +237,9 @@ class FlowManager:
         larger).  The larger is kept, never both.
         """
         was_ruled, was_on, was_off = self._restored.get(match, (FlowCounters(),) * 3)
+        if match not in self._kept_ids and match not in self._flows:
+            self._kept_ids[match] = self._take_id()
+            self._kept_since[match] = self.clock()
         if ruled is not None and ruled.packets > was_ruled.packets:
             was_ruled = ruled
         self._restored[match] = (
@@ -235,6 +247,22 @@ class FlowManager:
             was_on + (onloaded or FlowCounters()),
             was_off + (offloaded or FlowCounters()),
         )
+
+    def expire_kept(self, seconds: float) -> list[FlowMatch]:
+        """Forget kept counters not claimed by a flow seen again within ``seconds``
+        of their restore, as an idle flow is forgotten (its counters with it)."""
+        cutoff = self.clock() - seconds
+        expired = [m for m, since in self._kept_since.items() if since < cutoff]
+        for match in expired:
+            self._kept_since.pop(match)
+            self._kept_ids.pop(match, None)
+            self._restored.pop(match, None)
+        return expired
+
+    def _take_id(self) -> int:
+        flow_id = self._next_id
+        self._next_id += 1
+        return flow_id
 
     def restored(self) -> dict[FlowMatch, tuple[FlowCounters, FlowCounters, FlowCounters]]:
         return dict(self._restored)
@@ -354,6 +382,33 @@ class FlowManager:
                         OFFLOAD_TABLE, FLOW_PRIORITY, flow.cookie, match, part.packets,
                         part.bytes, duration, out, offloaded,
                     )
+                )  # fmt: skip
+        records.extend(self._kept_records(ofport_of, now))
+        return records
+
+    def _kept_records(self, ofport_of: Callable[[str], int | None], now: float) -> list[FlowRecord]:
+        """Flows an earlier run (or connection) counted and this one has not seen
+        again: shown with what they counted, so a restart never makes a flow's
+        counters vanish from a dump (nor a quiet flow's, which may never return).
+        Where they leave the bridge is not known until they are seen again."""
+        records: list[FlowRecord] = []
+        for match, flow_id in sorted(self._kept_ids.items(), key=lambda item: item[1]):
+            in_port = ofport_of(match.in_port)
+            ruled, onloaded, offloaded = self._restored.get(match, (FlowCounters(),) * 3)
+            total = ruled + onloaded + offloaded
+            if in_port is None or match in self._flows or not total.packets:
+                continue
+            fields = openflow_match(match, in_port)
+            duration = now - self._kept_since.get(match, now)
+            cookie = flow_cookie(flow_id)
+            records.append(
+                FlowRecord(FLOW_TABLE, FLOW_PRIORITY, cookie, fields, total.packets,
+                           total.bytes, duration)
+            )  # fmt: skip
+            if offloaded.packets:
+                records.append(
+                    FlowRecord(OFFLOAD_TABLE, FLOW_PRIORITY, cookie, fields, offloaded.packets,
+                               offloaded.bytes, duration)
                 )  # fmt: skip
         return records
 

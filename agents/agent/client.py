@@ -53,6 +53,25 @@ class _UnixHTTPConnection(http.client.HTTPConnection):
         self.sock.connect(self.path)
 
 
+def _exchange(
+    conn: http.client.HTTPConnection, method: str, path: str, data: bytes, headers: dict
+) -> tuple[http.client.HTTPResponse, bytes]:
+    """One request and its reply.  An agent refuses a body it will not take
+    (too large, say) as soon as it has read the headers, and closes: the rest of
+    the body then meets a closed socket.  Its reply is already on the way, and
+    says why; a send error is raised only when there is no reply to read."""
+    try:
+        conn.request(method, path, body=data, headers=headers)
+    except (BrokenPipeError, ConnectionResetError) as send_error:
+        try:
+            resp = conn.getresponse()
+            return resp, resp.read()
+        except (OSError, http.client.HTTPException):
+            raise send_error from None
+    resp = conn.getresponse()
+    return resp, resp.read()
+
+
 class AgentClient:
     """``address`` is an IP (with ``port``) or, with port 0, a UNIX socket path.
 
@@ -104,9 +123,7 @@ class AgentClient:
         headers["Content-Type"] = "application/json"
         conn = self._connection(timeout or self.timeout)
         try:
-            conn.request(method, path, body=data, headers=headers)
-            resp = conn.getresponse()
-            payload = resp.read()
+            resp, payload = _exchange(conn, method, path, data, headers)
         except (OSError, http.client.HTTPException) as exc:
             raise AgentError(agent=self.name, reason=f"{method} {path}: {exc}") from exc
         finally:

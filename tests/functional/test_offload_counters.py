@@ -213,7 +213,10 @@ def test_counts_go_on_exactly_across_a_clean_sigterm_restart(clab):
     assert any(moves.get(f.sport, 0) >= 2 for f in elephants), moves
     before = wait_settled(service, {f.key for f in elephants + mice})
     service.start(ELEPHANT_POLICY)  # SIGTERM, then a new run (waits until it judges)
-    assert service.status()["flows"] == []  # nothing seen yet: the counts wait in the file
+    assert service.status()["flows"] == []  # nothing seen yet: the counts come from the file
+    # ... and an operator's dump shows them before any flow is seen again.
+    kept = {f.key for f in elephants + mice}
+    assert wait_settled(service, kept) == before
     send_all(elephants + mice, 2000, rate=0)  # bursts at the flows' (second) start
     # ... and go on, as flows do: nine unpaced bursts at once can overflow the
     # bridge's packet-in queue for the whole of one flow's burst (seen in CI on a

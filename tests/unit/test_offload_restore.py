@@ -146,3 +146,38 @@ def test_the_service_takes_the_kept_counters_once_and_sets_a_bad_file_aside(tmp_
     assert service.take_kept_counters(control, str(path)) == 0
     assert (tmp_path / "counters.json.rejected").read_text() == "{not json"
     assert not path.exists()
+
+
+def test_kept_flows_are_shown_right_after_a_restart_until_seen_again():
+    """A dump right after the restart lists every kept flow with what it counted
+    (a quiet flow may never be seen again); seen again, it keeps its cookie and
+    is listed once, its counters going on from there."""
+    next_run = FlowManager()
+    next_run.restore(MATCH, ruled=FlowCounters(227, 13620))
+    next_run.restore(OTHER, onloaded=FlowCounters(1, 60), offloaded=FlowCounters(90, 5400))
+    next_run.restore(UNSEEN, onloaded=FlowCounters(4, 400))
+    ports = {"tap0": 3}.get
+    shown = {(r.table_id, r.match["udp_src"]): r for r in next_run.records(ports)
+             if "udp_src" in r.match}  # fmt: skip
+    assert shown[(0, 4000)].packets == 227 and shown[(0, 4000)].bytes == 13620
+    assert shown[(0, 4001)].packets == 91 and shown[(200, 4001)].packets == 90
+    assert (200, 4000) not in shown and not shown[(0, 4001)].offloaded
+    assert [r.packets for r in next_run.records(ports) if r.match.get("tcp_dst") == 80] == [4]
+    kept_cookie = shown[(0, 4000)].cookie
+    again = seen_again(next_run)
+    again.packet_in = FlowCounters(1, 60)
+    mine = [r for r in next_run.records(ports) if r.match.get("udp_src") == 4000]
+    assert [(r.table_id, r.packets, r.cookie) for r in mine] == [(0, 228, kept_cookie)]
+    assert next_run.records({}.get) == []  # ports gone: nothing to show them under
+
+
+def test_kept_counters_no_flow_claims_are_forgotten_after_the_idle_timeout():
+    now = [100.0]
+    manager = FlowManager(clock=lambda: now[0])
+    manager.restore(MATCH, ruled=FlowCounters(5, 300))
+    now[0] += 299.0
+    assert manager.expire_kept(300.0) == [] and len(manager.records({"tap0": 3}.get)) == 1
+    now[0] += 2.0
+    assert manager.expire_kept(300.0) == [MATCH]
+    assert manager.records({"tap0": 3}.get) == [] and manager.restored() == {}
+    assert seen_again(manager).total == FlowCounters()  # a new flow, counted from 0
