@@ -41,14 +41,15 @@ RESUME_S = 0.035
 FAULT_QUEUE_BYTES = 24 * MIB
 # With postcopy-preempt (which libvirt >= 10.0 turns on by itself) a fault no
 # longer waits behind the queue, yet the hot guest's stall after the switch
-# shrank only by a sixth and still scales with the stream's rate: measured,
-# not derived.  Hot hybrid runs where libvirt had turned preempt on unasked
-# (libvirt 11.3): guest gaps 208 and 320 ms at 100 MiB/s (docs/benchmarks/
-# downtime.md, downtime-current-hosts.md) and 405 ms at 64 MiB/s
-# (tests/functional/test_knobs.py), against 328 ms at 100 (modes.md) and 466 ms
-# at 64 (test_knobs.py over the mover) on libvirt 9.0 without it.  Less the
-# 85 ms of device state and resume: ~20 MiB of stream per stall (200 ms at
-# 100 MiB/s; 312 at 64).  (A flat 10 ms guess before.)
+# stays long and grows as the stream slows: measured, not derived.  Hot hybrid
+# runs where libvirt 11.3 had turned preempt on unasked: guest gaps 208 and
+# 320 ms at 100 MiB/s (docs/benchmarks/downtime.md, downtime-current-hosts.md)
+# and 405 and 375 ms at 64 MiB/s (tests/functional/test_knobs.py, 2026-11-27);
+# less the 85 ms of device state and resume, ~20 MiB of stream per stall
+# (200 ms at 100 MiB/s, 312 at 64).  Without it (libvirt 9.0): 328 ms at 100
+# (modes.md, median of 3), 466 and 230 ms at 64 (test_knobs.py over the
+# mover): single runs scatter too widely to say more than "a little shorter".
+# (A flat 10 ms guess before.)
 PREEMPT_FAULT_BYTES = 20 * MIB
 
 PARTS = ("stop-and-copy", "device state", "finish and resume", "postcopy faults")
