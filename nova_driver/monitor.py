@@ -183,7 +183,8 @@ class PlanMonitor:
         on_lost: Callable[[str], None] | None = None,
     ) -> None:
         """Watch until the job ends: ``on_done`` (it landed), ``on_failed``, or
-        ``on_lost`` with the destination's answers (completed, but not there)."""
+        ``on_lost`` with the destination's answers (completed, but not there);
+        without ``on_lost`` a completed job is taken as Nova reads it."""
         lv = self.libvirt
         migration = self.migration
         on_failure: collections.deque[str] = collections.deque()
@@ -198,7 +199,7 @@ class PlanMonitor:
             if info.type == lv.VIR_DOMAIN_JOB_UNBOUNDED:
                 self._running(instance, guest, info, on_failure)
             elif info.type == lv.VIR_DOMAIN_JOB_COMPLETED:
-                answers = self._confirm_landing(instance)
+                answers = self._confirm_landing(instance) if on_lost is not None else None
                 if answers is not None and on_lost is not None:
                     on_lost(answers)
                     return
