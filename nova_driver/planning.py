@@ -137,7 +137,8 @@ def plan(
         software=HostSoftware.from_facts(dest_facts),
         # The same destination facts the agent path reads (DestinationFacts.from_agent):
         # the store's write rate prices a file-backed guest's writeback at switchover.
-        store_write_bps=_write_bps(dest_facts),
+        store_write_bps=_number(dest_facts, "store_write_bps"),
+        store_fault_s=_number(dest_facts, "store_fault_s"),
         store_shares_libvirt_fs=dest_facts.get("store_shares_libvirt_fs"),
     )
     try:
@@ -148,14 +149,16 @@ def plan(
     return planner.plan(request, vm, dest, link, opts, source=source)
 
 
-def _write_bps(dest_facts: dict[str, Any]) -> float:
-    """The destination store's measured write rate (0: not reported, or not a number).
+def _number(dest_facts: dict[str, Any], key: str) -> float:
+    """A measured number of the destination's facts (0: not reported, or not a number).
 
-    >>> _write_bps({"store_write_bps": 5e8}), _write_bps({}), _write_bps({"store_write_bps": "x"})
-    (500000000.0, 0.0, 0.0)
+    >>> _number({"store_write_bps": 5e8}, "store_write_bps"), _number({}, "store_fault_s")
+    (500000000.0, 0.0)
+    >>> _number({"store_fault_s": "x"}, "store_fault_s"), _number({"store_fault_s": None}, "x")
+    (0.0, 0.0)
     """
     try:
-        return float(dest_facts.get("store_write_bps") or 0.0)
+        return float(dest_facts.get(key) or 0.0)
     except (TypeError, ValueError):
         return 0.0
 

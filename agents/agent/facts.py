@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import mmap
 import os
+import statistics
 import tempfile
 import time
 
 import libvirt
 
+from agents.agent import cachestat
 from flexmig import hypervisor
 from flexmig.migration import facts as migration_facts
 from flexmig.migration import writeback
@@ -15,6 +20,7 @@ from flexmig.migration.facts import filesystem_of, same_filesystem
 from flexmig.migration.knobs import HostSoftware
 
 MIB = 2**20
+PAGE = 4096
 
 
 def _mem_available() -> int:
@@ -26,21 +32,62 @@ def _mem_available() -> int:
 
 
 STORE_PROBE_BYTES = 32 * MIB
+# A fault on a dropped page of guest RAM reads this much: QEMU marks guest RAM
+# MADV_HUGEPAGE, and for such a mapping the kernel reads two huge pages'
+# worth around the fault whatever read_ahead_kb says (1,024 pages per touch
+# in the lost session's trace; 1 page with read_ahead_kb 0 and no hint).
+FAULT_WINDOW_BYTES = 4 * MIB
+# Touches this far apart each start a window of their own (no readahead of
+# an earlier one reaches them).
+FAULT_STRIDE_BYTES = 2 * FAULT_WINDOW_BYTES
 
 
-def store_write_bps(store_dir: str, nbytes: int = STORE_PROBE_BYTES) -> float:
-    """The store's write bandwidth the way split writes it: 1 MiB chunks, then durable."""
-    chunk = os.urandom(MIB)  # not zeros: some stores compress or skip them
-    fd, path = tempfile.mkstemp(prefix=".write-probe-", dir=store_dir)
+@dataclasses.dataclass(frozen=True)
+class StoreProbe:
+    write_bps: float  # written in 1 MiB chunks, then made durable
+    fault_s: float  # median time of one fault on a page not in memory (a 4 MiB read)
+    fault_pages: int | None  # pages one such fault brought in (None: cachestat missing)
+
+
+def probe_store(store_dir: str, nbytes: int = STORE_PROBE_BYTES) -> StoreProbe:
+    """The store measured the way split uses it: chunked writes, then faults as QEMU takes them."""
+    fd, path = tempfile.mkstemp(prefix=".probe-", dir=store_dir)
     try:
-        start = time.monotonic()
-        for _ in range(max(1, nbytes // MIB)):
-            os.write(fd, chunk)
-        os.fdatasync(fd)
-        return max(1, nbytes // MIB) * MIB / max(time.monotonic() - start, 1e-6)
+        nbytes = max(FAULT_STRIDE_BYTES, nbytes // MIB * MIB)
+        write_bps = _timed_write(fd, nbytes)
+        fault_s, fault_pages = _timed_faults(fd, nbytes)
+        return StoreProbe(write_bps, fault_s, fault_pages)
     finally:
         os.close(fd)
         os.unlink(path)
+
+
+def _timed_write(fd: int, nbytes: int) -> float:
+    chunk = os.urandom(MIB)  # not zeros: some stores compress or skip them
+    start = time.monotonic()
+    for _ in range(nbytes // MIB):
+        os.write(fd, chunk)
+    os.fdatasync(fd)
+    return nbytes / max(time.monotonic() - start, 1e-6)
+
+
+def _timed_faults(fd: int, nbytes: int) -> tuple[float, int | None]:
+    """(median seconds, pages read) of a read fault at each stride of a MAP_SHARED,
+    MADV_HUGEPAGE mapping of the written file, its pages dropped from the cache first."""
+    os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)  # clean (fdatasync): dropped
+    exact = cachestat.available(fd)
+    times, pages = [], []
+    with mmap.mmap(fd, nbytes, mmap.MAP_SHARED, prot=mmap.PROT_READ) as mem:
+        with contextlib.suppress(OSError):  # a kernel without THP: QEMU's hint fails too
+            mem.madvise(mmap.MADV_HUGEPAGE)
+        for offset in range(0, nbytes - FAULT_WINDOW_BYTES + 1, FAULT_STRIDE_BYTES):
+            cached = cachestat.cachestat(fd, 0, 0).nr_cache if exact else 0
+            start = time.perf_counter()
+            _ = mem[offset + PAGE]  # the touch is the measurement
+            times.append(time.perf_counter() - start)
+            if exact:
+                pages.append(cachestat.cachestat(fd, 0, 0).nr_cache - cached)
+    return statistics.median(times), (int(statistics.median(pages)) if pages else None)
 
 
 def running_vm_ram(uri: str, host: str) -> tuple[int, HostSoftware]:
@@ -59,7 +106,7 @@ def host_facts(
     store_dir: str,
     memory_cgroup: dict[str, object],
     links: dict[str, object],
-    store_bps: float = 0.0,
+    store: StoreProbe | None = None,
 ) -> dict[str, object]:
     """``memory_cgroup``: which hierarchy caps split VMs here (version 1, 2 or None)."""
     used, software = running_vm_ram(uri, host)
@@ -76,7 +123,11 @@ def host_facts(
         "store_fs_type": filesystem_of(store_dir),
         "store_capacity_bytes": st.f_blocks * st.f_frsize,
         "store_free_bytes": st.f_bavail * st.f_frsize,
-        "store_write_bps": store_bps,
+        "store_write_bps": store.write_bps if store else 0.0,
+        # A fault on a page the residency keeper dropped (None: not measured):
+        # what the guest waits for each 4 MiB of its rewritten set off budget.
+        "store_fault_s": store.fault_s if store else None,
+        "store_fault_pages": store.fault_pages if store else None,
         # libvirt fsyncs the domain it persists here before resuming an incoming
         # guest: on a shared ext4 that waits for the guest memory's writeback.
         "store_shares_libvirt_fs": same_filesystem(store_dir, writeback.LIBVIRT_CONFIG_DIR),

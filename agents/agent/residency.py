@@ -9,23 +9,25 @@ switchover spent exactly there (docs/benchmarks/switchover.md).
 The keeper does what seed 003 (VMemDirect) does on its own: it decides where
 each page lives.  Every INTERVAL_S it
 
-1. reads QEMU's page map of the guest-RAM mapping: which pages are resident,
-   and for a sample of them (``/proc/kpageflags``) whether they were written
-   since the last writeback;
-2. ages every 1 MiB chunk with 8 bits, like seed 003's per-page history (a
-   bit per interval, shifted right): a chunk is *referenced* in an interval
-   when a sampled page of it is dirty again after being written back, or
-   when it is resident again after the keeper dropped it (the guest or the
-   stream touched it);
+1. reads QEMU's page map of the guest-RAM mapping (which pages are
+   resident) and, per chunk of the file, how many pages were written since
+   the last writeback (``cachestat``, Linux >= 6.5; older kernels: a sample
+   of page flags in ``/proc/kpageflags``);
+2. counts each chunk's writes across intervals (never written, written
+   once, rewritten: ``record_writes``) and ages it with 8 bits, like seed
+   003's per-page history (a bit per interval, shifted right): a chunk is
+   *referenced* in an interval when it is dirty again after being written
+   back, or resident again after the keeper dropped it;
 3. starts writeback of every dirty chunk in 1 MiB-aligned ranges (the store
    sees large writes, not reclaim's 4 KiB ones: 4.3x slower in seed 003);
 4. when the cgroup's charge is above its target (the cap minus headroom for
-   the final round), waits for the coldest resident chunks' writeback and
-   drops them with ``process_madvise(MADV_PAGEOUT)`` (and the readahead QEMU
-   does not map with ``POSIX_FADV_DONTNEED``) down to a low mark half the
-   headroom below the target, so the next interval's stream lands in free
-   room: clean file pages are simply unmapped and freed, no I/O inside
-   QEMU's faults.
+   the final round), picks chunks to drop (never-written ones first, then
+   written-once ones, the rewritten set last: ``drop_order``), waits for
+   their writeback and drops them with ``process_madvise(MADV_PAGEOUT)``
+   (and the readahead QEMU does not map with ``POSIX_FADV_DONTNEED``) down
+   to a low mark half the headroom below the target, so the next interval's
+   stream lands in free room: clean file pages are simply unmapped and
+   freed, no I/O inside QEMU's faults.
 
 Why "written since the last writeback" is the evidence of hotness here: the
 destination sees the guest only through what arrives. A page the source sends
@@ -42,7 +44,7 @@ import array
 import ctypes
 import dataclasses
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 PAGE = 4096
 CHUNK_BYTES = 1 << 20
@@ -125,18 +127,68 @@ def drop_pages(charge_bytes: int, target: int, low: int) -> int:
     return (charge_bytes - low) // PAGE
 
 
-def coldest(resident: Sequence[int], ages: Sequence[int], excess_pages: int) -> list[int]:
-    """Resident chunks to drop, coldest first, until ``excess_pages`` would be freed.
+NEVER_WRITTEN, WRITTEN_ONCE, REWRITTEN = 0, 1, 2
+WRITE_CLASSES = ("never written", "written once", "rewritten")
 
-    Ties go to the chunk with more resident pages (more freed per call).
 
-    >>> coldest([256, 256, 10, 0], [0x80, 0, 0, 0], 300)
+def record_writes(
+    writes: Sequence[int], dirty_before: Collection[int], dirty_now: Collection[int]
+) -> list[int]:
+    """Count each chunk's writes: one per look that finds it dirty after a clean look.
+
+    The keeper starts writeback of every dirty chunk at each look, so a
+    chunk dirty now and clean at the last look was written again since.  A
+    chunk dirty at two looks in a row is one write still going on (the
+    stream crossing an interval), not two: the precopy's later rounds, or
+    the guest itself, come back to a page seconds apart.
+
+    >>> record_writes([0, 1, 1, 0], dirty_before={1, 2}, dirty_now={0, 1, 3})
+    [1, 1, 1, 1]
+    >>> record_writes([1, 1, 1, 1], dirty_before={0, 1, 3}, dirty_now={2})
+    [1, 1, 2, 1]
+    """
+    out = list(writes)
+    for chunk in dirty_now:
+        if chunk not in dirty_before:
+            out[chunk] += 1
+    return out
+
+
+def write_class(writes: int) -> int:
+    """NEVER_WRITTEN, WRITTEN_ONCE or REWRITTEN.
+
+    >>> [WRITE_CLASSES[write_class(n)] for n in (0, 1, 5)]
+    ['never written', 'written once', 'rewritten']
+    """
+    return min(writes, REWRITTEN)
+
+
+def drop_order(
+    resident: Sequence[int], ages: Sequence[int], writes: Sequence[int], excess_pages: int
+) -> list[int]:
+    """Resident chunks to drop until ``excess_pages`` would be freed, in drop order.
+
+    Never-written chunks go first (zero pages QEMU only read to compare: a
+    fault brings them back from a hole), then chunks written once (the
+    guest's kernel, programs and data that the source sent once), the
+    rewritten set last: pages sent again in a later round are the ones the
+    guest rewrites, and the ones it touches first after resume.  An 8-bit age
+    forgets in eight intervals (0.8 s): ordered by age alone the keeper
+    dropped the guest's kernel and working set while 228 MiB of zero pages
+    stayed resident (tests/bench/split_trace.py at budgets 50% and 35%).
+    Within a class the coldest go first, then the fuller chunks (more freed
+    per call), then high addresses (the guest kernel sits low).
+
+    >>> drop_order([256, 256, 256, 256], [0, 0x80, 0, 0], [2, 0, 1, 1], 300)
+    [1, 3]
+    >>> drop_order([256, 256, 10, 0], [0x80, 0, 0, 0], [0, 0, 0, 0], 300)
     [1, 2, 0]
-    >>> coldest([256, 256], [0, 0], 0)
+    >>> drop_order([256, 256], [0, 0], [0, 0], 0)
     []
     """
     order = sorted(
-        (i for i, pages in enumerate(resident) if pages), key=lambda i: (ages[i], -resident[i])
+        (i for i, pages in enumerate(resident) if pages),
+        key=lambda i: (write_class(writes[i]), ages[i], -resident[i], -i),
     )
     chosen, freed = [], 0
     for chunk in order:
@@ -145,6 +197,20 @@ def coldest(resident: Sequence[int], ages: Sequence[int], excess_pages: int) -> 
         chosen.append(chunk)
         freed += resident[chunk]
     return chosen
+
+
+def dropped_by_class(
+    resident: Sequence[int], writes: Sequence[int], chunks: Iterable[int]
+) -> list[int]:
+    """Pages of ``chunks`` by write class: what a drop took (the keeper's stats).
+
+    >>> dropped_by_class([256, 256, 10], [0, 3, 1], [0, 1, 2])
+    [256, 10, 256]
+    """
+    out = [0] * len(WRITE_CLASSES)
+    for chunk in chunks:
+        out[write_class(writes[chunk])] += resident[chunk]
+    return out
 
 
 def ranges(chunks: Iterable[int]) -> list[tuple[int, int]]:
@@ -195,7 +261,9 @@ class GuestRam:
     def chunks(self) -> int:
         return (self.size + CHUNK_BYTES - 1) // CHUNK_BYTES
 
-    def scan(self, pagemap_fd: int, kpageflags_fd: int) -> ChunkScan:
+    def scan(self, pagemap_fd: int, kpageflags_fd: int | None) -> ChunkScan:
+        """Resident pages per chunk; dirty chunks by sampled page flags (None: not sampled,
+        the caller counts them with cachestat)."""
         raw = os.pread(pagemap_fd, self.size // PAGE * 8, self.address // PAGE * 8)
         entries = array.array("Q", raw)
         # The present bit is the top bit of each entry's last byte: counted in C.
@@ -204,7 +272,7 @@ class GuestRam:
         step = CHUNK_PAGES // SAMPLES_PER_CHUNK
         for chunk in range(self.chunks):
             resident.append(present.count(1, chunk * CHUNK_PAGES, (chunk + 1) * CHUNK_PAGES))
-            if not resident[-1]:
+            if not resident[-1] or kpageflags_fd is None:
                 continue
             for e in entries[chunk * CHUNK_PAGES : (chunk + 1) * CHUNK_PAGES : step]:
                 pfn = e & PM_PFN_MASK

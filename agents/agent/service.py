@@ -75,7 +75,7 @@ class Agent:
         self.flush_stops: dict[str, threading.Event] = {}
         self.flushers: dict[str, ChunkFlusher] = {}
         self.keepers: dict[str, ResidencyKeeper] = {}
-        self._store_probe = (0.0, 0.0)
+        self._store_probe: tuple[float, facts.StoreProbe | None] = (0.0, None)
         # Plans and inventories share one gate: both sample dirty rates for seconds.
         self.gate = admission.Gate(
             "plan or inventory",
@@ -156,7 +156,7 @@ class Agent:
             self.conf.agent.store_dir,
             self._memory_cgroup(),
             {peer: dataclasses.asdict(link) for peer, link in self.migrations.links.items()},
-            self._store_write_bps(),
+            self._probe_store(),
         ) | {
             "rdma_provider": self.migrations.rdma,
             # Where other agents reach this one (a caller may have come another
@@ -164,17 +164,17 @@ class Agent:
             "agent": {"address": str(self.conf.agent.listen_address), "port": self.conf.agent.port},
         }
 
-    def _store_write_bps(self) -> float:
-        """The store's write bandwidth, probed at most every STORE_PROBE_MAX_AGE_S."""
-        measured_at, bps = self._store_probe
-        if time.monotonic() - measured_at > STORE_PROBE_MAX_AGE_S or not bps:
+    def _probe_store(self) -> facts.StoreProbe | None:
+        """The store's write rate and fault time, probed at most every STORE_PROBE_MAX_AGE_S."""
+        measured_at, probe = self._store_probe
+        if time.monotonic() - measured_at > STORE_PROBE_MAX_AGE_S or probe is None:
             try:
-                bps = facts.store_write_bps(self.conf.agent.store_dir)
+                probe = facts.probe_store(self.conf.agent.store_dir)
             except OSError as exc:
-                LOG.warning("cannot probe the store's write bandwidth: %s", exc)
-                return 0.0
-            self._store_probe = (time.monotonic(), bps)
-        return bps
+                LOG.warning("cannot probe the store: %s", exc)
+                return None
+            self._store_probe = (time.monotonic(), probe)
+        return probe
 
     def _memory_cgroup(self) -> dict[str, Any]:
         try:

@@ -8,10 +8,11 @@ Sequence for an incoming split VM:
    incoming page is charged against the cap from the first one;
 3. guest RAM is a shared mapping of a sparse file in the store; the agent's
    residency keeper (``residency.py``) writes it back in 1 MiB-aligned
-   ranges and drops the coldest chunks itself, keeping the charge below the
-   cap with headroom for the final round: the cap is only the safety net
-   (seed 003: page-sized synchronous I/O made migration 4.3x slower, 1 MiB
-   chunks made it equal; reclaim at the cap cost ~250 ms of switchover here);
+   ranges and drops cold chunks itself (never-written ones first, the
+   rewritten set last), keeping the charge below the cap with headroom for
+   the final round: the cap is only the safety net (seed 003: page-sized
+   synchronous I/O made migration 4.3x slower, 1 MiB chunks made it
+   equal; reclaim at the cap cost ~250 ms of switchover here);
 4. when the VM leaves or is destroyed, libvirt removes the file and the
    ``release`` hook removes FlexMig's group (if it made one) and the
    reservation.
@@ -31,7 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agents.agent import memcg, residency
+from agents.agent import cachestat, memcg, residency
 from flexmig import exceptions
 
 LOG = logging.getLogger(__name__)
@@ -228,7 +229,10 @@ class _Chunks:
     """What the keeper remembers of each 1 MiB chunk between intervals."""
 
     ages: list[int]
+    writes: list[int]  # writes seen per chunk (residency.record_writes)
+    dirty: set[int] = dataclasses.field(default_factory=set)  # dirty at the last look
     dropped: set[int] = dataclasses.field(default_factory=set)
+    exact: bool = True  # dirty pages counted by cachestat, not sampled page flags
 
 
 class ResidencyKeeper(threading.Thread):
@@ -247,6 +251,8 @@ class ResidencyKeeper(threading.Thread):
             "max_charge_bytes": 0,
             "max_guest_resident_bytes": 0,
             "dropped_bytes": 0,
+            # What the drops took, by write class (residency.WRITE_CLASSES).
+            "dropped_pages_by_class": dict.fromkeys(residency.WRITE_CLASSES, 0),
             "drops": 0,
             "rounds": 0,
         }
@@ -282,8 +288,11 @@ class ResidencyKeeper(threading.Thread):
         self.stats |= {"low_bytes": marks.low}
         fds = [os.open(ram.path, os.O_RDONLY), os.pidfd_open(ram.pid)]
         fds += [os.open(f"/proc/{ram.pid}/pagemap", os.O_RDONLY)]
-        fds += [os.open("/proc/kpageflags", os.O_RDONLY)]
-        state = _Chunks(ages=[0] * ram.chunks)
+        state = _Chunks(ages=[0] * ram.chunks, writes=[0] * ram.chunks)
+        state.exact = cachestat.available(fds[0])
+        # Without cachestat (Linux < 6.5) the page flags of a sample say what was written.
+        fds += [-1 if state.exact else os.open("/proc/kpageflags", os.O_RDONLY)]
+        self.stats["written_pages_from"] = "cachestat" if state.exact else "kpageflags sample"
         try:
             while not self.stop_event.wait(KEEPER_INTERVAL_S):
                 if os.fstat(fds[0]).st_nlink == 0:
@@ -292,30 +301,46 @@ class ResidencyKeeper(threading.Thread):
                 self._step(ram, fds, marks, state)
         finally:
             for fd in fds:
-                os.close(fd)
+                if fd >= 0:
+                    os.close(fd)
 
     def _step(self, ram: residency.GuestRam, fds: list[int], marks: _Marks, state: _Chunks) -> None:
-        file_fd, pidfd, pagemap_fd, kpf_fd = fds
-        scan = ram.scan(pagemap_fd, kpf_fd)
-        back = {c for c in state.dropped if scan.resident[c]}
-        state.dropped -= back
-        # A first arrival counts as a reference too: a trial that counted only
-        # rewrites dropped the never-rewritten pages the resumed guest reads
-        # (its kernel, its programs) and its gap after resume grew (split_trace).
-        state.ages = residency.age(state.ages, scan.dirty | back)
+        file_fd, pidfd = fds[0], fds[1]
+        scan = self._look(ram, fds, state)
         resident = [c for c, pages in enumerate(scan.resident) if pages]
         ram.write_back(file_fd, resident, wait=False)
         charge = (self.store.usage(self.vm) or {}).get("usage_bytes") or 0
         self._sample(charge, sum(scan.resident) * residency.PAGE)
         excess = residency.drop_pages(charge, marks.target, marks.low)
         if excess:
-            victims = residency.coldest(scan.resident, state.ages, excess)
+            victims = residency.drop_order(scan.resident, state.ages, state.writes, excess)
             ram.write_back(file_fd, victims, wait=True)
             self.stats["dropped_bytes"] += ram.page_out(pidfd, victims)
             ram.forget(file_fd, victims)
             self.stats["drops"] += 1
             state.dropped.update(victims)
+            taken = residency.dropped_by_class(scan.resident, state.writes, victims)
+            for name, pages in zip(residency.WRITE_CLASSES, taken, strict=True):
+                self.stats["dropped_pages_by_class"][name] += pages
         self.stats["rounds"] += 1
+
+    def _look(self, ram: residency.GuestRam, fds: list[int], state: _Chunks) -> residency.ChunkScan:
+        """Scan QEMU's mapping; count writes and age every chunk (updates ``state``)."""
+        file_fd, pagemap_fd, kpf_fd = fds[0], fds[2], fds[3]
+        scan = ram.scan(pagemap_fd, None if state.exact else kpf_fd)
+        dirty = scan.dirty
+        if state.exact:
+            pages = cachestat.dirty_pages(file_fd, ram.chunks, residency.CHUNK_BYTES)
+            dirty = {c for c, n in enumerate(pages) if n}
+        back = {c for c in state.dropped if scan.resident[c]}
+        state.dropped -= back
+        state.writes = residency.record_writes(state.writes, state.dirty, dirty)
+        state.dirty = dirty
+        # A first arrival counts as a reference too: a trial that counted only
+        # rewrites dropped the never-rewritten pages the resumed guest reads
+        # (its kernel, its programs) and its gap after resume grew (split_trace).
+        state.ages = residency.age(state.ages, dirty | back)
+        return scan
 
     def _sample(self, charge: int, guest_resident: int) -> None:
         s = self.stats

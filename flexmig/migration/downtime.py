@@ -13,6 +13,9 @@ and, after a postcopy switch, once the pages it touches first have arrived:
 - postcopy faults: after a switch, each page the guest touches that has not
   arrived is fetched on demand, behind the pages already queued on the stream
   unless postcopy-preempt gives faults a channel of their own;
+- split's faults on the store: final-round pages and the resumed guest's
+  writes that land on the part of its rewritten set beyond the budget each
+  read a 4 MiB window from the store (``split.store_faults``);
 - the destination's writeback of a file-backed guest's memory file, which
   an older QEMU's msync or libvirt's fsync of the persisted domain waits for
   before the guest runs (``writeback.switchover_writeback``): 150-330 ms per
@@ -24,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 
 from flexmig.migration import writeback
+from flexmig.policy import split
 from flexmig.policy.precopy import Prediction
 
 MIB = 2**20
@@ -62,6 +66,7 @@ def predict(
     preempt: bool,
     resume_s: float = RESUME_S,
     dest_writeback: writeback.SwitchoverWriteback = NO_WRITEBACK,
+    store_faults: split.StoreFaults = split.NO_FAULTS,
 ) -> Forecast:
     """The guest-observed downtime of a plan, part by part.
 
@@ -75,12 +80,23 @@ def predict(
     >>> f = predict(p, "precopy", 0.05, 100 * MIB, False, dest_writeback=w)
     >>> f.describe(), f.reasons
     ('285 ms (device state 50, finish and resume 35, destination msync 200)', ('old QEMU',))
+
+    Split's faults on the store (the final round's are inside its downtime
+    already) are named as a part of their own:
+
+    >>> s = Prediction("split", (), True, "", 5.0, 0.05, 0.28, 0)
+    >>> f = split.StoreFaults(35 * MIB, 9, 2, 0.02)
+    >>> predict(s, "precopy", 0.05, 100 * MIB, False, store_faults=f).describe()
+    '355 ms (stop-and-copy 50, device state 50, finish and resume 35, store faults 220)'
     """
-    stop_copy_s = max(0.0, prediction.downtime_s - switchover_s)
+    final_faults_s = min(store_faults.final_round_s, prediction.downtime_s)
+    stop_copy_s = max(0.0, prediction.downtime_s - final_faults_s - switchover_s)
     faults_s = 0.0
     if transfer == "postcopy":
         faults_s = PREEMPT_FAULT_S if preempt else FAULT_QUEUE_BYTES / bandwidth_bps
     parts = dict(zip(PARTS, (stop_copy_s, switchover_s, resume_s, faults_s), strict=True))
+    if store_faults.off_budget_bytes:
+        parts["store faults"] = final_faults_s + store_faults.first_heartbeat_s
     parts |= dest_writeback.parts_s()
     reasons = (dest_writeback.reason,) if dest_writeback.reason else ()
     return Forecast({name: round(s * 1000, 1) for name, s in parts.items()}, reasons)

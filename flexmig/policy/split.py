@@ -15,6 +15,13 @@ destination with enough RAM does not (seed 003, VMemDirect):
 - **the switchover msync**: QEMU syncs file-backed guest RAM before it reports
   the incoming migration done, inside the downtime: the final round and
   whatever arrived in the keeper's last interval is written then.
+- **faults on the store**: the part of the rewritten set that does not fit
+  the budget lives in the store.  A final-round page or a guest write that
+  lands there faults, and each fault reads a whole 4 MiB window (QEMU maps
+  guest RAM MADV_HUGEPAGE, and the kernel then reads two huge pages' worth
+  whatever read_ahead_kb says): the final round's inside QEMU's downtime,
+  the resumed guest's before its first heartbeat.  The destination agent
+  measures one such fault (``store_fault_s``).
 
 Pure functions: the agent and the planner feed them facts.
 """
@@ -22,14 +29,21 @@ Pure functions: the agent and the planner feed them facts.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from flexmig.policy import precopy
+from flexmig.policy.dirty_model import IDLE, DirtyModel
 
 MIB = 2**20
 KEEPER_INTERVAL_S = 0.1  # the destination keeper's period (agents/agent/split_store.py)
 MIN_HEADROOM_BYTES = 16 * MIB
 # Reclaim writes page-sized pieces: seed 003 measured 4.3x slower than 1 MiB chunks.
 PAGE_WRITE_SLOWDOWN = 4.3
+# What one fault on a dropped page reads (agents/agent/facts.py measures it).
+FAULT_WINDOW_BYTES = 4 * MIB
+# How long the resumed guest's writer runs before its heartbeat gets the CPU:
+# Linux's default scheduling latency (6 ms) with both runnable at resume.
+WRITER_SLICE_S = 0.006
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +51,38 @@ class StoreFacts:
     budget_bytes: int  # the VM's resident cap on the destination (cgroup limit)
     write_bps: float  # the store's measured write bandwidth in 1 MiB chunks
     qemu_own_bytes: int  # QEMU's own memory charged under the same cap
+    # One fault on a page not in memory, a 4 MiB read (0: not measured; a
+    # read at the write bandwidth is assumed).
+    fault_s: float = 0.0
+
+    def fault_or_assumed_s(self) -> float:
+        """The measured fault, or one 4 MiB read at the write bandwidth.
+
+        >>> StoreFacts(0, 400 * MIB, 0).fault_or_assumed_s()
+        0.01
+        """
+        return self.fault_s or FAULT_WINDOW_BYTES / self.write_bps
+
+
+@dataclasses.dataclass(frozen=True)
+class StoreFaults:
+    """Faults on the part of the rewritten set that the budget cannot hold."""
+
+    off_budget_bytes: float  # of the rewritten set, beyond the resident room
+    final_round: int  # faults while the final round lands (QEMU's downtime)
+    first_heartbeat: int  # faults of the resumed guest before its first heartbeat
+    fault_s: float
+
+    @property
+    def final_round_s(self) -> float:
+        return self.final_round * self.fault_s
+
+    @property
+    def first_heartbeat_s(self) -> float:
+        return self.first_heartbeat * self.fault_s
+
+
+NO_FAULTS = StoreFaults(0.0, 0, 0, 0.0)
 
 
 def headroom_bytes(final_round_bytes: float, bandwidth_bps: float, budget_bytes: int) -> int:
@@ -54,10 +100,107 @@ def headroom_bytes(final_round_bytes: float, bandwidth_bps: float, budget_bytes:
     return int(min(budget_bytes // 2, max(MIN_HEADROOM_BYTES, want)))
 
 
+def store_faults(
+    rewritten_bytes: float,
+    room_bytes: float,
+    final_bytes: float,
+    writer_pages_per_s: float,
+    fault_s: float,
+    page_size: int = 4096,
+) -> StoreFaults:
+    """Faults on the rewritten set's part beyond the room, final round then resume.
+
+    The keeper drops the rewritten set last, so what of it exceeds the room
+    is what lives in the store.  The final round's pages spread over the
+    rewritten set; those landing off budget fault, one fault per 4 MiB
+    window at most.  The resumed guest's writer then runs one scheduler
+    slice before the heartbeat, its writes spread the same way (random, as
+    the lab's dirtier writes) over the windows the final round left.
+
+    A 512 MiB guest rewriting 128 MiB with 93 MiB of room (a 179 MiB budget,
+    35%), a 5 MiB final round, 20 ms per fault: 35 MiB off budget is nine
+    windows, and the final round's 350 pages off budget reach all nine,
+    180 ms inside QEMU's downtime.
+
+    >>> f = store_faults(128 * MIB, 93 * MIB, 5 * MIB, 45_000, 0.02)
+    >>> f.off_budget_bytes // MIB, f.final_round, f.first_heartbeat, round(f.final_round_s, 2)
+    (35, 9, 0, 0.18)
+
+    A guest that nearly stopped writing (a 10 KiB final round) faults once
+    then; resumed, its writer's 101 touches off budget in its slice reach
+    the other 23 of 24 windows: 460 ms before its first heartbeat.
+
+    >>> f = store_faults(256 * MIB, 160 * MIB, 0.01 * MIB, 45_000, 0.02)
+    >>> f.final_round, f.first_heartbeat, round(f.first_heartbeat_s, 2)
+    (1, 23, 0.46)
+    >>> store_faults(64 * MIB, 93 * MIB, 5 * MIB, 45_000, 0.02) == NO_FAULTS
+    True
+    """
+    off = max(0.0, rewritten_bytes - room_bytes)
+    if off <= 0 or rewritten_bytes <= 0:
+        return NO_FAULTS
+    windows = math.ceil(off / FAULT_WINDOW_BYTES)
+    share = off / rewritten_bytes
+    final = min(windows, math.ceil(final_bytes / page_size * share))
+    touches = writer_pages_per_s * WRITER_SLICE_S * share
+    first = min(windows - final, math.ceil(touches))
+    return StoreFaults(off, final, first, fault_s)
+
+
+def faults(
+    pre: precopy.Prediction, xfer: precopy.Transfer, store: StoreFacts, dirty: DirtyModel = IDLE
+) -> StoreFaults:
+    """``store_faults`` for a plan: the rewritten set is the dirty model's M.
+
+    M is capped at the VM's pages: a model fitted elsewhere (a drain's, an
+    API caller's) may not be, and a guest cannot rewrite more than it has.
+    A 512 MiB guest in a 179 MiB budget: 25 MiB headroom, 64 MiB of QEMU's
+    own, 90 MiB of room.
+
+    >>> x = precopy.Transfer(ram_pages=131072, resident_pages=65536, page_size=4096,
+    ...                      bandwidth_bps=100 * MIB, switchover_s=0.05)
+    >>> p = precopy.Prediction("precopy", (), True, "", 2.6, 260 * MIB, 0.1, 0)
+    >>> d = DirtyModel(m_pages=32768, tau_s=0.5)
+    >>> f = faults(p, x, StoreFacts(179 * MIB, 400 * MIB, 64 * MIB, fault_s=0.02), d)
+    >>> f.off_budget_bytes // MIB, f.final_round, f.first_heartbeat
+    (38, 10, 0)
+    >>> huge = DirtyModel(m_pages=10**9, tau_s=0.5)
+    >>> faults(p, x, StoreFacts(179 * MIB, 400 * MIB, 64 * MIB), huge).off_budget_bytes // MIB
+    422
+    """
+    final = final_round_bytes(pre, xfer)
+    headroom = headroom_bytes(final, xfer.bandwidth_bps, store.budget_bytes)
+    capped = dataclasses.replace(dirty, m_pages=min(dirty.m_pages, xfer.ram_pages))
+    return store_faults(
+        capped.m_pages * xfer.page_size,
+        max(0, store.budget_bytes - headroom - store.qemu_own_bytes),
+        final,
+        capped.initial_rate(),
+        store.fault_or_assumed_s(),
+        xfer.page_size,
+    )
+
+
+def final_round_bytes(pre: precopy.Prediction, xfer: precopy.Transfer) -> float:
+    """What the stop-and-copy carries: the downtime beyond the switchover, at the stream's rate.
+
+    >>> x = precopy.Transfer(1, 1, 4096, bandwidth_bps=100 * MIB, switchover_s=0.05)
+    >>> final_round_bytes(precopy.Prediction("precopy", (), True, "", 1, 1, 0.1, 0), x) / MIB
+    5.0
+    """
+    return max(0.0, (pre.downtime_s - xfer.switchover_s) * xfer.bandwidth_bps)
+
+
 def predict(
-    pre: precopy.Prediction, xfer: precopy.Transfer, store: StoreFacts
+    pre: precopy.Prediction,
+    xfer: precopy.Transfer,
+    store: StoreFacts,
+    store_faults: StoreFaults = NO_FAULTS,
 ) -> precopy.Prediction:
     """The precopy prediction with split's own costs added.
+
+    ``store_faults``: the final round's faults add to both the downtime and
+    the total; the resumed guest's come after both (``downtime.predict``).
 
     >>> x = precopy.Transfer(ram_pages=131072, resident_pages=65536, page_size=4096,
     ...                      bandwidth_bps=100 * MIB, switchover_s=0.05)
@@ -68,8 +211,12 @@ def predict(
     >>> s = predict(p, x, StoreFacts(240 * MIB, 800 * MIB, 80 * MIB))
     >>> round(s.total_time_s, 2), round(s.downtime_s * 1000)
     (2.61, 74)
+    >>> f = StoreFaults(35 * MIB, 9, 0, 0.02)
+    >>> s = predict(p, x, StoreFacts(240 * MIB, 800 * MIB, 80 * MIB), f)
+    >>> round(s.total_time_s, 2), round(s.downtime_s * 1000)
+    (2.79, 254)
     """
-    final_bytes = max(0.0, (pre.downtime_s - xfer.switchover_s) * xfer.bandwidth_bps)
+    final_bytes = final_round_bytes(pre, xfer)
     headroom = headroom_bytes(final_bytes, xfer.bandwidth_bps, store.budget_bytes)
     room = max(0, store.budget_bytes - headroom - store.qemu_own_bytes)
     spill = max(0.0, pre.total_bytes - final_bytes - room)
@@ -78,11 +225,12 @@ def predict(
     overflow = max(0.0, final_bytes - headroom)
     reclaim = overflow * PAGE_WRITE_SLOWDOWN / store.write_bps
     msync = (min(final_bytes, headroom) + KEEPER_INTERVAL_S * xfer.bandwidth_bps) / store.write_bps
-    downtime = pre.downtime_s + reclaim + msync
+    faults_s = store_faults.final_round_s
+    downtime = pre.downtime_s + reclaim + msync + faults_s
     return dataclasses.replace(
         pre,
         mode="split",
         stop_reason=f"{pre.stop_reason}; {spill / MIB:.0f} MiB spill to the store",
-        total_time_s=pre.total_time_s + stream_wait + reclaim + msync,
+        total_time_s=pre.total_time_s + stream_wait + reclaim + msync + faults_s,
         downtime_s=downtime,
     )

@@ -79,7 +79,9 @@ def test_v2_cap_and_keeper_hold_a_file_backed_writer_under_its_budget(scope, tmp
             ram.write_back(fds[0], [c for c, n in enumerate(scan.resident) if n], wait=False)
             charge = memcg.usage(hierarchy, group)["usage_bytes"]
             if charge > target:
-                victims = residency.coldest(scan.resident, ages, (charge - target) // 4096)
+                victims = residency.drop_order(
+                    scan.resident, ages, [1] * ram.chunks, (charge - target) // 4096
+                )
                 ram.write_back(fds[0], victims, wait=True)
                 ram.page_out(fds[1], victims)
             time.sleep(0.05)

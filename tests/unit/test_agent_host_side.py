@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import pathlib
 
 import libvirt
 
@@ -22,13 +23,32 @@ def test_facts_count_the_running_vms_against_the_budget(tmp_path):
     assert running > 0
     cgroup = {"version": 1, "detail": "cgroup v1"}
     links = {"10.0.0.2": {"setup_s": 0.1}}
-    got = facts.host_facts("A", uri, 16384, str(tmp_path), cgroup, links, 5e8)
+    probe = facts.StoreProbe(write_bps=5e8, fault_s=0.02, fault_pages=1024)
+    got = facts.host_facts("A", uri, 16384, str(tmp_path), cgroup, links, probe)
     assert got["vm_ram_bytes"] == running
     assert got["free_for_vms_bytes"] == max(0, 16384 * MIB - running)
     assert got["store_fs_type"] == filesystem_of(str(tmp_path))
     assert 0 < got["store_free_bytes"] <= got["store_capacity_bytes"]
     assert got["measured_links"] == {"10.0.0.2": {"setup_s": 0.1}}
     assert got["memory_cgroup"] == cgroup
+    assert (got["store_write_bps"], got["store_fault_s"]) == (5e8, 0.02)
+
+
+def test_an_unprobed_store_reports_no_fault_time(tmp_path):
+    got = facts.host_facts("A", "test:///default", 16384, str(tmp_path), {}, {})
+    assert (got["store_write_bps"], got["store_fault_s"]) == (0.0, None)
+
+
+def test_the_store_probe_faults_as_qemu_does_a_window_of_two_huge_pages_per_touch(tmp_path):
+    # tmp_path may be a tmpfs (nothing to read back) or a disk: the time is
+    # whatever it is, the shape of the answer is not.
+    probe = facts.probe_store(str(tmp_path), nbytes=16 * MIB)
+    assert probe.write_bps > 0 and 0 < probe.fault_s < 5.0
+    assert list(tmp_path.iterdir()) == []  # the probe file is gone
+    thp = pathlib.Path("/sys/kernel/mm/transparent_hugepage").exists()
+    if thp and probe.fault_pages is not None and filesystem_of(str(tmp_path)) != "tmpfs":
+        # MADV_HUGEPAGE: the kernel reads 4 MiB around the fault, not read_ahead_kb.
+        assert probe.fault_pages == facts.FAULT_WINDOW_BYTES // facts.PAGE
 
 
 def test_a_budget_of_zero_means_what_the_host_has_available(tmp_path, monkeypatch):

@@ -253,3 +253,21 @@ def test_both_paths_forecast_the_destinations_writeback_the_same(
     # 200 MiB resident, 40 % left dirty by the flusher, at the probed 500 MiB/s.
     assert parts[part] == pytest.approx(160, abs=1)
     assert f"{part} 160" in nova.explain()
+
+
+def test_both_paths_forecast_splits_faults_on_the_store_the_same(tmp_path, monkeypatch):
+    # A 512 MiB guest rewriting ~150 MiB into a 140 MiB budget: part of its
+    # rewritten set lives in the store, each fault a 4 MiB read of 25 ms.
+    dest = SOFTWARE | {"store_fault_s": 0.025, "store_shares_libvirt_fs": False}
+    monkeypatch.setattr(AgentClient, "get", lambda self, path, **kw: dict(dest))
+    guest = Guest(resident_mib=512, dirty_mib_per_s={1: 100.0, 2: 140.0})
+    agent = _agent_plan(guest, 300, tmp_path, monkeypatch, dest_facts=dest)
+    nova = _nova_plan(guest, 300, tmp_path, split_reserved=True)
+    assert agent.mode == nova.mode == "split", agent.explain()
+    assert agent.decision == nova.decision and agent.guest_downtime == nova.guest_downtime
+    faults = agent.decision.store_faults
+    assert faults.fault_s == 0.025 and faults.final_round + faults.first_heartbeat > 0
+    spent_ms = (faults.final_round + faults.first_heartbeat) * 25
+    assert agent.guest_downtime.parts_ms["store faults"] == pytest.approx(spent_ms)
+    assert "reads a 4 MiB window in 25 ms (measured)" in agent.explain()
+    assert f"store faults {spent_ms}" in nova.explain()

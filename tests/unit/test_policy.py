@@ -217,3 +217,59 @@ def test_a_final_round_larger_than_the_headroom_waits_on_reclaim():
     reclaim_s = (100 * MIB - headroom) * split.PAGE_WRITE_SLOWDOWN / (200 * MIB)
     extra = beyond.downtime_s - big_final.downtime_s - (within.downtime_s - small_final.downtime_s)
     assert extra > reclaim_s  # the overflow waits on reclaim
+
+
+def _split_inputs(free_mib: int, fault_s: float) -> MigrationInputs:
+    # 512 MiB guest rewriting 128 MiB at 100 MiB/s, into a host with too little RAM.
+    return _inputs(
+        resident_bytes=512 * MIB,
+        bandwidth_bps=100 * MIB,
+        dest_free_bytes=free_mib * MIB,
+        dest_store_write_bps=400 * MIB,
+        dest_store_fault_s=fault_s,
+    )
+
+
+def test_split_forecast_adds_faults_on_the_rewritten_set_beyond_the_budget():
+    from flexmig.policy import split
+
+    roomy = decide(_split_inputs(400, 0.02))  # 240 MiB budget: 156 MiB of room
+    assert roomy.mode == "split" and roomy.store_faults == split.NO_FAULTS
+    tight = decide(_split_inputs(300, 0.02))  # 140 MiB budget: 56 MiB of room
+    assert tight.memory_budget_bytes == 140 * MIB
+    # 128 - 56 = 72 MiB off budget: 19 windows of 4 MiB, all reached by the final round.
+    assert tight.store_faults.off_budget_bytes == pytest.approx(72.5 * MIB, rel=0.01)
+    assert (tight.store_faults.final_round, tight.store_faults.first_heartbeat) == (19, 0)
+    assumed = decide(_split_inputs(300, 0.0))  # 4 MiB at 400 MiB/s: 10 ms a fault
+    extra_ms = (tight.prediction.downtime_s - assumed.prediction.downtime_s) * 1000
+    assert extra_ms == pytest.approx(19 * 10, abs=0.5)
+    assert tight.prediction.total_time_s - assumed.prediction.total_time_s == pytest.approx(0.19)
+
+
+def test_split_explain_names_the_fault_time():
+    tight = decide(_split_inputs(300, 0.02)).explain()
+    assert "a fault on the store reads a 4 MiB window in 20 ms (measured)" in tight
+    assert "19 faults in the final round (+380 ms of downtime)" in tight
+    assumed = decide(_split_inputs(300, 0.0)).explain()
+    assert "in 10 ms (assumed: a read at the write rate)" in assumed
+    assert "fits the budget: no faults expected" in decide(_split_inputs(400, 0.02)).explain()
+
+
+def test_the_rewritten_set_is_capped_at_the_vms_pages():
+    from flexmig.policy import split
+
+    xfer = precopy.Transfer(131072, 131072, 4096, bandwidth_bps=100 * MIB, switchover_s=0.05)
+    pre = precopy.Prediction("precopy", (), True, "", 6.0, 600 * MIB, 0.1, 0)
+    store = split.StoreFacts(140 * MIB, 400 * MIB, 64 * MIB, fault_s=0.02)
+    whole = split.faults(pre, xfer, store, DirtyModel(131072, 1.0))
+    runaway = split.faults(pre, xfer, store, DirtyModel(1e9, 1.0 * 1e9 / 131072))
+    assert runaway.off_budget_bytes == whole.off_budget_bytes == (512 - 51) * MIB
+    assert runaway == whole
+
+
+def test_destination_facts_carry_the_store_fault_time():
+    from flexmig.migration.planner import DestinationFacts
+
+    facts = {"free_for_vms_bytes": 1, "store_free_bytes": 2, "store_fault_s": 0.025}
+    assert DestinationFacts.from_agent(facts).store_fault_s == 0.025
+    assert DestinationFacts.from_agent(facts | {"store_fault_s": None}).store_fault_s == 0.0

@@ -6,6 +6,8 @@ import ctypes
 import mmap
 import os
 import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -26,12 +28,50 @@ def test_a_chunk_referenced_every_interval_stays_hotter_than_one_touched_once():
     assert ages == [0, 0]  # eight bits of history: all forgotten
 
 
-def test_eviction_takes_the_coldest_first_and_only_what_is_needed():
+def test_within_a_write_class_eviction_takes_the_coldest_first_and_only_what_is_needed():
     resident = [256, 256, 256, 256, 0]
     ages = [0xC0, 0x00, 0x80, 0x01, 0x00]
-    assert residency.coldest(resident, ages, 1) == [1]
-    assert residency.coldest(resident, ages, 257) == [1, 3]
-    assert residency.coldest(resident, ages, 10_000) == [1, 3, 2, 0]  # never chunk 4: not resident
+    once = [1] * 5
+    assert residency.drop_order(resident, ages, once, 1) == [1]
+    assert residency.drop_order(resident, ages, once, 257) == [1, 3]
+    # never chunk 4: not resident
+    assert residency.drop_order(resident, ages, once, 10_000) == [1, 3, 2, 0]
+
+
+def test_zero_pages_go_before_the_guest_kernel_and_its_working_set_once_ages_are_forgotten():
+    # The lost trace's case at a 50% budget: 4 MiB of guest kernel at low
+    # addresses (written once, round one), 4 MiB rewritten by the guest every
+    # round, 8 MiB of zero pages QEMU only read.  Ages are all 0 by the final
+    # round (eight intervals forget); ordered by age and address the keeper
+    # dropped the kernel first.
+    kernel, working, zeros = range(0, 4), range(4, 8), range(8, 16)
+    writes = [0] * 16
+    looks = [set(kernel) | set(working), set(), set(working), set(), set(working), set()]
+    before: set[int] = set()
+    for dirty in looks:
+        writes = residency.record_writes(writes, before, dirty)
+        before = dirty
+    assert [residency.write_class(writes[c]) for c in (0, 4, 8)] == [
+        residency.WRITTEN_ONCE,
+        residency.REWRITTEN,
+        residency.NEVER_WRITTEN,
+    ]
+    resident, ages = [256] * 16, [0] * 16
+    assert set(residency.drop_order(resident, ages, writes, 8 * 256)) == set(zeros)
+    order = residency.drop_order(resident, ages, writes, 14 * 256)
+    assert order[:8] == sorted(zeros, reverse=True)  # high addresses first on ties
+    assert set(order[8:12]) == set(kernel) and set(order[12:]) <= set(working)
+    assert residency.dropped_by_class(resident, writes, order) == [8 * 256, 4 * 256, 2 * 256]
+
+
+def test_a_write_seen_at_two_looks_in_a_row_is_one_write():
+    # The stream crossing an interval boundary leaves a chunk dirty at two looks.
+    writes = residency.record_writes([0, 0], set(), {0})
+    writes = residency.record_writes(writes, {0}, {0, 1})
+    assert writes == [1, 1]
+    writes = residency.record_writes(writes, {0, 1}, set())
+    writes = residency.record_writes(writes, set(), {0})  # a later round resends it
+    assert writes == [2, 1]
 
 
 def test_the_target_keeps_headroom_but_never_below_half_the_cap():
@@ -153,3 +193,112 @@ def _write_back_and_page_out(child, path):
 def test_find_names_a_process_without_such_a_mapping():
     with pytest.raises(LookupError, match="no 3 MiB file mapping"):
         residency.GuestRam.find(os.getpid(), 3 * MIB + 4096)
+
+
+def test_the_keeper_counts_a_writers_chunks_once_per_write_with_cachestat(tmp_path):
+    from agents.agent import cachestat, split_store
+
+    path = tmp_path / "guest.ram"
+    child = _Child(path, 8 * MIB, pause_before_writing=True)
+    keeper = split_store.ResidencyKeeper(
+        split_store.SplitStore(str(tmp_path), str(tmp_path)), "vm", threading.Event()
+    )
+    ram = residency.GuestRam.find(child.pid, 8 * MIB)
+    fds = [os.open(path, os.O_RDONLY), -1, os.open(f"/proc/{child.pid}/pagemap", os.O_RDONLY), -1]
+    try:
+        if not cachestat.available(fds[0]):
+            pytest.skip("this kernel has no cachestat (Linux >= 6.5)")
+        state = split_store._Chunks(ages=[0] * 8, writes=[0] * 8)
+        keeper._look(ram, fds, state)
+        assert state.writes == [0] * 8  # mapped, nothing written yet
+        child.release()
+        while not child.done():
+            time.sleep(0.01)
+        scan = keeper._look(ram, fds, state)
+        assert scan.resident == [256] * 8  # present bits need no root
+        if state.writes != [1] * 8:
+            pytest.skip("the kernel's flusher wrote the file back before the look")
+        ram.write_back(fds[0], range(8), wait=True)
+        keeper._look(ram, fds, state)
+        assert state.writes == [1] * 8 and state.dirty == set()
+    finally:
+        child.stop()
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+
+
+class _ReaderWriter:
+    """A process mapping a file shared: it writes the low half and only reads the high half,
+    like an incoming QEMU writing the guest's kernel and comparing zero pages."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        path.write_bytes(b"")
+        os.truncate(path, size)
+        from_child, to_parent = os.pipe()
+        self.pid = os.fork()
+        if self.pid == 0:  # pragma: no cover - the child
+            mem = mmap.mmap(os.open(path, os.O_RDWR), size, mmap.MAP_SHARED)
+            for offset in range(0, size // 2, 4096):
+                mem[offset : offset + 8] = offset.to_bytes(8, "little")
+            for offset in range(size // 2, size, 4096):
+                _ = mem[offset]
+            os.write(to_parent, b"D")
+            signal.pause()
+            os._exit(0)
+        os.close(to_parent)
+        assert os.read(from_child, 1) == b"D"
+        os.close(from_child)
+
+    def stop(self) -> None:
+        os.kill(self.pid, signal.SIGKILL)
+        os.waitpid(self.pid, 0)
+
+
+class _Usage:
+    """A store whose VM is charged what its mapping holds (no cgroup needed)."""
+
+    def __init__(self) -> None:
+        self.charge = 0
+
+    def usage(self, vm: str) -> dict[str, int]:
+        return {"usage_bytes": self.charge}
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="process_madvise of another process needs root")
+def test_the_keeper_drops_never_written_chunks_before_written_ones_once_ages_are_forgotten(
+    tmp_path,
+):
+    from agents.agent import cachestat, split_store
+
+    path = tmp_path / "guest.ram"
+    child = _ReaderWriter(path, 8 * MIB)
+    store = _Usage()
+    keeper = split_store.ResidencyKeeper(store, "vm", threading.Event())  # type: ignore[arg-type]
+    ram = residency.GuestRam.find(child.pid, 8 * MIB)
+    fds = [os.open(path, os.O_RDONLY), os.pidfd_open(child.pid)]
+    fds += [os.open(f"/proc/{child.pid}/pagemap", os.O_RDONLY), -1]
+    try:
+        if not cachestat.available(fds[0]):
+            pytest.skip("this kernel has no cachestat (Linux >= 6.5)")
+        state = split_store._Chunks(ages=[0] * 8, writes=[0] * 8)
+        marks = split_store._Marks(target=6 * MIB, low=4 * MIB)
+        for _ in range(9):  # the written half's ages decay to 0 again
+            keeper._look(ram, fds, state)
+            ram.write_back(fds[0], range(8), wait=True)
+        if state.writes != [1, 1, 1, 1, 0, 0, 0, 0]:
+            pytest.skip(f"the kernel's flusher cleaned chunks before the first look: {state}")
+        assert state.ages == [0] * 8
+        store.charge = 8 * MIB  # over the 6 MiB target: down to 4 MiB
+        keeper._step(ram, fds, marks, state)
+        after = ram.scan(fds[2], None).resident
+        assert after == [256] * 4 + [0] * 4  # by age and address alone: the written half
+        taken = keeper.stats["dropped_pages_by_class"]
+        assert taken == {"never written": 4 * 256, "written once": 0, "rewritten": 0}
+    finally:
+        child.stop()
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+    data = path.read_bytes()
+    assert all(int.from_bytes(data[o : o + 8], "little") == o for o in range(0, 4 * MIB, 4096))
