@@ -140,6 +140,8 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         # Instances whose offloaded flows the local agent is moving: the body
         # that names the migration and its destination agent.
         self._flexmig_flows: dict[str, dict[str, Any]] = {}
+        # Instances whose completed migration did not land: the destination's answers.
+        self._flexmig_lost: dict[str, str] = {}
 
     # -- agents ---------------------------------------------------------------
     def _local_agent(self) -> AgentClient:
@@ -343,6 +345,25 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         finally:
             self._flexmig_plans.pop(instance.uuid, None)
             self._flexmig_uris.pop(instance.uuid, None)
+            answers = self._flexmig_lost.pop(instance.uuid, None)
+        if answers is not None:
+            self._not_landed(context, instance, dest, answers)
+
+    def _not_landed(self, context: Any, instance: Any, dest: str, answers: str) -> None:
+        """Rolled back already (the monitor's ``lost``): raised to Nova's compute
+        manager, which records the migration as an error and the instance in
+        ERROR, still on this host; the reason goes in the instance's fault
+        (``openstack server show``), which that path of Nova's leaves empty."""
+        error = monitor.VMNotOnDestination(
+            vm=instance.name, dest=dest, source=instance.host, answers=answers
+        )
+        try:
+            compute_utils.add_instance_fault_from_exc(
+                context, instance, error, fault_message=error.message
+            )
+        except Exception as exc:  # noqa: BLE001 - the error below must reach Nova regardless
+            LOG.warning("FlexMig: could not record the instance fault: %s", exc)
+        raise error
 
     def _plan(self, instance: Any, offer: DestinationOffer) -> Plan:
         guest = self._host.get_guest(instance)
@@ -547,18 +568,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             )
             return
         self._set_downtime(guest, plan, instance)
-        opts = migration_options.read(CONF)
-        watch = monitor.PlanMonitor(
-            _libvirt(),
-            self._host,
-            plan,
-            migrate_data.migration,
-            opts.stall_timeout_s,
-            CONF.libvirt.live_migration_monitor_interval,
-            self.active_migrations,
-            opts.setup_timeout_s,
-            opts.converge_timeout_s,
-        )
+        watch = self._plan_monitor(plan, dest, migrate_data)
         outcome = {"ok": False}
 
         def done(_info: Any) -> None:
@@ -578,13 +588,42 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             extra = {"migration_status": status} if status else {}
             recover_method(context, instance, dest, migrate_data, **extra)
 
+        def lost(answers: str) -> None:
+            # libvirt said completed, the destination does not run the VM: Nova's
+            # rollback cleans the destination and leaves the instance on this
+            # host, with the migration in error; _live_migration then raises so
+            # that Nova puts the instance in ERROR (it runs nowhere).
+            outcome["ok"] = None
+            self._finish_movers(offer_of(migrate_data), ok=False)
+            self._flexmig_lost[instance.uuid] = answers
+            recover_method(context, instance, dest, migrate_data, migration_status="error")
+
         try:
-            watch.run(instance, guest, future, done, failed)
+            watch.run(instance, guest, future, done, failed, lost)
         finally:
             if outcome["ok"] is False:  # the watch itself raised
                 self._finish_movers(offer_of(migrate_data), ok=False)
             self._flexmig_guests.pop(instance.uuid, None)
             self._clear_empty_migration(instance)
+
+    def _plan_monitor(self, plan: Plan, dest: str, migrate_data: Any) -> monitor.PlanMonitor:
+        opts = migration_options.read(CONF)
+        return monitor.PlanMonitor(
+            _libvirt(),
+            self._host,
+            plan,
+            migrate_data.migration,
+            opts.stall_timeout_s,
+            CONF.libvirt.live_migration_monitor_interval,
+            self.active_migrations,
+            opts.setup_timeout_s,
+            opts.converge_timeout_s,
+            # The URI Nova's own operation hands libvirt for the destination,
+            # opened the way Nova opens its own connection (here read-only).
+            monitor.Destination(
+                self._live_migration_uri(dest), lambda uri: self._host._connect(uri, True)
+            ),
+        )
 
     def _resume_postcopy(
         self, instance: Any, guest: Any, dest: str, plan: Plan, migrate_data: Any

@@ -14,6 +14,13 @@ is paused instead, and the driver resumes it with the engine's recovery
 its job-type untangling, its queued tasks (force-complete, which switches to
 postcopy only where the plan enabled it), its progress records on the
 migration object and its post/recover callbacks.
+
+One thing Nova does not do: before a completed job is recorded as a move, the
+destination's libvirt is asked whether it runs the VM
+(``flexmig.migration.landing``).  Nova reads a source domain that is gone or
+not running as COMPLETED, which is also what a VM destroyed on the source
+mid-migration looks like; recorded as a move, it would be lost from Nova's
+view on a destination that never got it.
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from nova.virt.libvirt import migration as libvirt_migrate
 from oslo_log import log as logging
 
 from flexmig import exceptions, hypervisor
-from flexmig.migration import controller, downtime
+from flexmig.migration import controller, downtime, landing
 from flexmig.migration.controller import Action, Controller
 from flexmig.migration.planner import Plan
 
@@ -40,6 +47,25 @@ POLL_S = 0.5
 # the lab, migrate_start_postcopy once did not return for 5 min).
 CALL_TIMEOUT_S = 30.0
 ABORT_JOB_POSTCOPY = 1  # libvirt's VIR_DOMAIN_ABORT_JOB_POSTCOPY (1 << 0)
+
+
+class VMNotOnDestination(exceptions.FlexMigError):
+    msg_fmt = (
+        "%(vm)s is not running on %(dest)s although libvirt reported its migration "
+        "completed (the destination's libvirt answered: %(answers)s): the source "
+        "stopped running it mid-migration (destroyed or crashed). Nova keeps it on "
+        "%(source)s, where its definition and disks are, in ERROR; once the cause is "
+        "known, start it there again (openstack server reboot --hard)"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Destination:
+    """Where a completed migration is checked: Nova's migration URI for the
+    destination, and how Nova connects to a libvirt URI (read-only)."""
+
+    uri: str
+    connect: Callable[[str], Any]
 
 
 @dataclasses.dataclass
@@ -77,6 +103,38 @@ def completion_summary(plan: Plan, downtime_ms: int | None) -> tuple[str, bool]:
     return text, excess is not None
 
 
+def destination_runs(libvirt: Any, destination: Destination, uuid: str) -> landing.Answer:
+    """One ask of the destination's libvirt: does it run the domain ``uuid``?
+
+    Bounded (``landing.ASK_TIMEOUT_S``): a destination that does not answer
+    is UNANSWERED, like one that cannot be reached.
+    """
+
+    def ask() -> landing.Answer:
+        conn = destination.connect(destination.uri)
+        try:
+            dom = conn.lookupByUUIDString(uuid)
+            # Active is running or paused: a paused VM arrives paused.
+            return landing.Answer.RUNS if dom.isActive() else landing.Answer.NOT_RUNNING
+        except libvirt.libvirtError as exc:
+            if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+                return landing.Answer.NOT_FOUND
+            raise
+        finally:
+            try:
+                conn.close()
+            except libvirt.libvirtError:
+                pass  # the answer is in; a failed close changes nothing
+
+    try:
+        return hypervisor.bounded(
+            ask, landing.ASK_TIMEOUT_S, f"the destination's libvirt ({destination.uri})"
+        )
+    except Exception as exc:  # noqa: BLE001 - an ask that fails leaves Nova's reading standing
+        LOG.warning("FlexMig: could not ask %s about the VM: %s", destination.uri, exc)
+        return landing.Answer.UNANSWERED
+
+
 def _percent_remaining(info: Any) -> int:
     if not info.memory_total:
         return 100
@@ -97,8 +155,10 @@ class PlanMonitor:
         active_migrations: dict[str, collections.deque[str]],
         setup_timeout_s: float | None = None,
         converge_timeout_s: float = math.inf,
+        destination: Destination | None = None,
     ) -> None:
         self.libvirt = libvirt
+        self.destination = destination  # None: a completed job is taken as Nova reads it
         self.host = host
         self.plan = plan
         self.migration = migration
@@ -120,7 +180,11 @@ class PlanMonitor:
         future: Any,
         on_done: Callable[[Any], None],
         on_failed: Callable[[Any, str | None], None],
+        on_lost: Callable[[str], None] | None = None,
     ) -> None:
+        """Watch until the job ends: ``on_done`` (it landed), ``on_failed``, or
+        ``on_lost`` with the destination's answers (completed, but not there);
+        without ``on_lost`` a completed job is taken as Nova reads it."""
         lv = self.libvirt
         migration = self.migration
         on_failure: collections.deque[str] = collections.deque()
@@ -135,6 +199,10 @@ class PlanMonitor:
             if info.type == lv.VIR_DOMAIN_JOB_UNBOUNDED:
                 self._running(instance, guest, info, on_failure)
             elif info.type == lv.VIR_DOMAIN_JOB_COMPLETED:
+                answers = self._confirm_landing(instance) if on_lost is not None else None
+                if answers is not None and on_lost is not None:
+                    on_lost(answers)
+                    return
                 text, exceeded = completion_summary(self.plan, getattr(info, "downtime", None))
                 (LOG.warning if exceeded else LOG.info)("%s", text, instance=instance)
                 if info.memory_total:
@@ -153,6 +221,38 @@ class PlanMonitor:
                 on_failed(info, "cancelled" if cancelled and not self.state.aborted_for else None)
                 return
             time.sleep(POLL_S)
+
+    def _confirm_landing(self, instance: Any) -> str | None:
+        """None when the destination runs the VM, or cannot be asked (Nova's
+        reading stands); else the destination's answers: the VM is not there."""
+        destination = self.destination
+        if destination is None:
+            return None
+        verdict, answers = landing.confirm(
+            lambda: destination_runs(self.libvirt, destination, instance.uuid), time.sleep
+        )
+        seen = landing.describe(answers)
+        if verdict is landing.Verdict.LANDED:
+            LOG.info("FlexMig: %s runs the VM", destination.uri, instance=instance)
+        elif verdict is landing.Verdict.LOST:
+            LOG.error(
+                "FlexMig: libvirt reported the migration completed, but %s does not run "
+                "the VM (asked %d time(s): %s)",
+                destination.uri,
+                len(answers),
+                seen,
+                instance=instance,
+            )
+            return seen
+        else:
+            LOG.warning(
+                "FlexMig: libvirt reported the migration completed; %s could not be asked "
+                "whether it runs the VM (%s), so the move is recorded as libvirt reports it",
+                destination.uri,
+                seen,
+                instance=instance,
+            )
+        return None
 
     def _running(
         self, instance: Any, guest: Any, info: Any, on_failure: collections.deque[str]

@@ -11,7 +11,14 @@ dirty-rate calculations answer from a per-guest dirty-page model (the
 seed-000 curve the policy fits), a domain keeps its ``memoryBacking``, and a
 migration runs in precopy rounds that publish job statistics, switch to
 postcopy only when asked and only with the postcopy flag, and complete, or
-fail when precopy cannot converge.
+fail when precopy cannot converge.  A source domain destroyed mid-migration
+ends its migration as a killed QEMU does: the call fails, nothing reaches the
+destination, and its job statistics answer as libvirt's do for an inactive
+domain (which Nova reads as COMPLETED).
+
+``RemoteLibvirt`` lets a libvirt URI naming a compute host (Nova's migration
+URI, ``qemu+tcp://<host>/system``) reach that compute's fakelibvirt
+connection, as a real client reaches that host's libvirtd.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import dataclasses
 import os
 import threading
 import time
+import urllib.parse
+from collections.abc import Callable
 from typing import Any
 
 import fixtures
@@ -116,6 +125,30 @@ class InProcessAgent(fixtures.Fixture):
         return self.client().get(f"/v1/split/{vm}")["reservation"]
 
 
+class RemoteLibvirt(fixtures.Fixture):
+    """``openAuth`` of a URI whose host ``connection_of`` knows: that host's
+    connection; any other URI opens as fakelibvirt opens it."""
+
+    def __init__(self, connection_of: Callable[[str], Any | None]) -> None:
+        super().__init__()
+        self.connection_of = connection_of
+
+    def _setUp(self) -> None:
+        original = fakelibvirt.openAuth
+
+        def open_auth(uri: str, auth: Any, flags: int = 0) -> Any:
+            host = urllib.parse.urlsplit(uri).hostname
+            found = self.connection_of(host) if host else None
+            return found if found is not None else original(uri, auth, flags)
+
+        self.useFixture(fixtures.MonkeyPatch(f"{fakelibvirt.__name__}.openAuth", open_auth))
+        # libvirt's virConnect.close(), which fakelibvirt lacks; closing a
+        # client's connection leaves the host's daemon, here its compute's, as it is.
+        self.useFixture(
+            fixtures.MonkeyPatch(f"{fakelibvirt.__name__}.Connection.close", lambda conn: 0)
+        )
+
+
 @dataclasses.dataclass
 class Workload:
     """A guest's writable working set (pages) and its half-life: D(t) = M(1 - 2^(-t/tau))."""
@@ -192,6 +225,9 @@ class GuestWorkloads(fixtures.Fixture):
             harness.record(dom.name()).dirty_periods.append(seconds)
 
         def job_stats(dom: Any, flags: int = 0) -> dict[str, int]:
+            if dom._state == fakelibvirt.VIR_DOMAIN_SHUTOFF:
+                # libvirt's answer for an inactive domain (virDomainGetJobStats).
+                raise _not_running(dom)
             return dict(getattr(dom, "_flexmig_job", None) or {"type": dom._job_type})
 
         def set_max_downtime(dom: Any, ms: int) -> None:
@@ -286,6 +322,11 @@ class GuestWorkloads(fixtures.Fixture):
             time.sleep(ROUND_S)
             if index == 1:
                 self.hold.wait(30)
+            if dom._state == fakelibvirt.VIR_DOMAIN_SHUTOFF:
+                # Destroyed mid-migration: its QEMU is gone, and the stream with it.
+                record.outcome = "source stopped"
+                dom._flexmig_job = None
+                raise _not_running(dom)
             if record.postcopy_after_round is not None:
                 break
             if dom._state == fakelibvirt.VIR_DOMAIN_PAUSED:
@@ -326,3 +367,12 @@ class GuestWorkloads(fixtures.Fixture):
         record.outcome = "completed"
         dom._flexmig_job = None
         dom.complete_job()
+
+
+def _not_running(dom: Any) -> Exception:
+    return fakelibvirt.make_libvirtError(
+        fakelibvirt.libvirtError,
+        f"Requested operation is not valid: domain '{dom.name()}' is not running",
+        error_code=fakelibvirt.VIR_ERR_OPERATION_INVALID,
+        error_domain=fakelibvirt.VIR_FROM_QEMU,
+    )

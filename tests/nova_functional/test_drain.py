@@ -63,6 +63,15 @@ class TestNovaDrain(
         for host in ("dest1", "dest2"):
             self.agents[host] = self.useFixture(harness.InProcessAgent(DEST_BUDGET_MB))
         self.guests = self.useFixture(harness.GuestWorkloads(self._connection_for, by_uri=True))
+        self.useFixture(
+            harness.RemoteLibvirt(
+                lambda host: (
+                    self.computes[host].driver._host.get_connection()
+                    if host in self.computes
+                    else None
+                )
+            )
+        )
         self.flags(
             agent_address="127.0.0.1", agent_key_file=self.agents["src"].key_file, group="flexmig"
         )

@@ -17,6 +17,7 @@ import dataclasses
 import os
 import re
 import time
+import urllib.parse
 from typing import Any
 from unittest import mock
 
@@ -138,6 +139,16 @@ class TestNovaMovesRealGuest(
         # UNIX socket (AgentClient: port 0).
         compute.driver._agent_endpoint = (str(host.agent_socket), 0)
         compute.driver._flexmig_lab_host = nova_host
+        # The driver asks the destination's libvirt, at Nova's migration URI
+        # (qemu+tcp://lab-b/system), whether it runs a migrated VM: a name only
+        # the lab's namespaces resolve.  From here, that host's socket.
+        connect = compute.driver._host._connect
+
+        def lab_connect(uri: str, read_only: bool) -> Any:
+            peer = HOSTS.get(urllib.parse.urlsplit(uri).hostname or "")
+            return connect(self.lab.host(peer).local_uri if peer else uri, read_only)
+
+        compute.driver._host._connect = lab_connect
         return compute
 
     def tearDown(self) -> None:
@@ -202,6 +213,8 @@ class TestNovaMovesRealGuest(
         current = self.admin_api.get_server(server["id"])
         self.assertEqual(("ACTIVE", "lab-b"), (current["status"], current["OS-EXT-SRV-ATTR:host"]))
         self.assertEqual(["B"], self._running_on(name))
+        # The driver's check before Nova's post-migration: lab-b's libvirt runs it.
+        self.assertIn("qemu+tcp://lab-b/system runs the VM", self.stdlog.logger.output)
         lab_guest.wait_heartbeat(host="B")
         beats = lab_guest.heartbeat(since_ns=start_ns)
         self.assertEqual("B", beats.hosts[-1], beats.hosts)

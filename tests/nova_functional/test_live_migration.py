@@ -58,6 +58,7 @@ class FlexMigNovaTestBase(
         self.guests = self.useFixture(
             harness.GuestWorkloads(lambda: self.computes["dest"].driver._host.get_connection())
         )
+        self.useFixture(harness.RemoteLibvirt(self._compute_connection))
         self.flags(
             agent_address="127.0.0.1", agent_key_file=self.src_agent.key_file, group="flexmig"
         )
@@ -79,6 +80,10 @@ class FlexMigNovaTestBase(
         self.flavor_id = self._create_flavor(memory_mb=VM_RAM_MB, vcpu=1, disk=1, ephemeral=0)
 
     # -- helpers --------------------------------------------------------------
+    def _compute_connection(self, host: str) -> Any:
+        compute = self.computes.get(host)
+        return compute.driver._host.get_connection() if compute else None
+
     def _boot(self, workload: harness.Workload) -> dict[str, Any]:
         server = self._create_server(flavor_id=self.flavor_id, host="src", networks="none")
         self.guests.workloads[self._domain_name(server)] = workload
@@ -323,3 +328,49 @@ class TestConfiguration(FlexMigNovaTestBase):
     def test_both_computes_run_the_flexmig_driver(self) -> None:
         for name in ("src", "dest"):
             self.assertIsInstance(self.computes[name].driver, flexmig_driver.FlexMigLibvirtDriver)
+
+
+class TestLanding(FlexMigNovaTestBase):
+    """libvirt's "completed" is checked against the destination before Nova records a move."""
+
+    def test_a_vm_destroyed_midway_is_not_reported_migrated(self) -> None:
+        """Nova reads a source domain that is not running as a completed migration;
+        the destination never got this one, so it must not be recorded there."""
+        server = self._boot(harness.IDLE)
+        name = self._domain_name(server)
+        self.guests.hold.clear()  # QEMU stays in round 1 until the VM is destroyed
+        self._migrate_live(server)
+        try:
+            self._wait_for_round(name)
+            src = self.computes["src"].driver._host.get_connection()
+            src.lookupByUUIDString(server["id"]).destroy()
+        finally:
+            self.guests.hold.set()
+        migration = self._wait_for_end(server)
+
+        self.assertEqual("source stopped", self.guests.seen[name].outcome)
+        self.assertEqual("error", migration["status"])
+        # Nova's rollback, then its error path: ERROR on the source, where the
+        # VM's definition and disks are (it runs nowhere; a hard reboot restarts
+        # it).  Without the check Nova records it on dest, which never got it.
+        current = self._wait_for_server_parameter(
+            server, {"status": "ERROR"}, max_retries=40, wait_for_fault_key=False
+        )
+        self.assertEqual("src", current["OS-EXT-SRV-ATTR:host"])
+        self.assertIsNone(current["OS-EXT-STS:task_state"])
+        current = self._wait_for_server_parameter(server, {"status": "ERROR"}, max_retries=10)
+        self.assertIn("is not running on dest", current["fault"]["message"])
+        dest = self.computes["dest"].driver._host.get_connection()
+        every = fakelibvirt.VIR_CONNECT_LIST_DOMAINS_ACTIVE | (
+            fakelibvirt.VIR_CONNECT_LIST_DOMAINS_INACTIVE
+        )
+        self.assertNotIn(name, [dom.name() for dom in dest.listAllDomains(every)])
+
+    def _wait_for_round(self, name: str) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while time.monotonic() < deadline:
+            seen = self.guests.seen.get(name)
+            if seen is not None and seen.rounds >= 1:
+                return
+            time.sleep(0.1)
+        self.fail(f"the migration of {name} never started its first round")
