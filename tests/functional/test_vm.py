@@ -65,8 +65,7 @@ def test_ovs_forwards_between_vm_port_and_uplink(lab):
 def test_plain_precopy_migration_keeps_every_page(lab):
     guest = vm.create(lab, "A", ram="384M", workload="dirtier:wss=128M,rate=5000", name="mig")
     try:
-        time.sleep(2)
-        before = guest.verify()
+        before = guest.verify_when_ready()
         start = time.monotonic_ns()
         stats = vm.migrate_plain(lab, "mig", "B")
         guest.wait_heartbeat(host="B")

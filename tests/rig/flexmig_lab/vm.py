@@ -86,6 +86,23 @@ class LabVM:
         fields = dict(kv.split("=", 1) for kv in text.split("VERIFY", 1)[1].split())
         return {k: int(v) for k, v in fields.items()}
 
+    def verify_when_ready(self, timeout: float = 60.0) -> dict[str, int]:
+        """The first verify once the workload has its working set (a guest is READY
+        before its dirtier has filled it: 128 MiB at TCG speed on a busy host can
+        take longer than any fixed pause)."""
+
+        def attempt() -> dict[str, int] | None:
+            try:
+                return self.verify()
+            except exceptions.GuestError as exc:
+                if "error=no-workset" in str(exc):
+                    return None
+                raise
+
+        return processutil.wait_for(
+            attempt, timeout=timeout, interval=0.5, what=f"{self.name}'s working set"
+        )
+
     # -- live traffic from inside the guest (udpgen through its tap port) ----------
     def udpgen_start(self, tag: str, args: list[str]) -> None:
         """Start ``udpgen <args>`` in the guest in the background, named ``tag``."""
