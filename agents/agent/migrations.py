@@ -406,6 +406,7 @@ class MigrationService:
             "predicted_rounds": len(pred.rounds),
             "knobs": dataclasses.asdict(plan.knobs) | {"reasons": None},
             "downtime_budget_ms": plan.downtime_budget_ms,
+            "downtime_limit_ms": plan.decision.max_downtime_ms,  # QEMU's, as first set
             "predicted_guest_downtime_ms": round(plan.guest_downtime.total_ms),
             "predicted_downtime_parts_ms": plan.guest_downtime.parts_ms,
             "downtime_parts_ms": downtime.measured(stats),

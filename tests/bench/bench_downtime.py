@@ -60,6 +60,8 @@ def run_flexmig(lab: Lab, name: str) -> dict:
         used.append(f"hint {knobs['avail_switchover_mib']} MiB/s")
     if (knobs.get("parallel") or 1) > 1:
         used.append(f"{knobs['parallel']} channels")
+    if result.get("downtime_limit_ms"):
+        used.append(f"limit {result['downtime_limit_ms']} ms")
     return dict(
         ok=result["state"] == "completed",
         mode=result.get("mode"),
