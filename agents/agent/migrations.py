@@ -45,20 +45,30 @@ class LinkEstimate:
     stream_bps: float | None = None  # QEMU's migration stream (memory_bps), learned
     setup_s: float = 0.0  # job start until the first page moves
     switchover_s: float = 0.05
+    timings_learned: int = 0  # completed jobs setup_s and switchover_s come from
 
-    def learn(self, stats: dict[str, int]) -> None:
+    def learn(self, stats: dict[str, int], stream: bool = True) -> None:
+        """One completed precopy job's statistics.  ``stream`` False: the job ran
+        under a bandwidth cap, so its rate says nothing of the link's; its setup
+        (the destination QEMU's start) and switchover still do, and without them
+        a capped host's forecasts missed seconds of setup."""
         bps, elapsed_ms = stats.get("memory_bps", 0), stats.get("time_elapsed", 0)
         if bps <= 0 or elapsed_ms <= 0:
             return
         downtime_s = stats.get("downtime", 0) / 1000
         transfer_s = stats.get("memory_processed", 0) / bps
         setup = max(0.0, elapsed_ms / 1000 - transfer_s - downtime_s)
-        if self.stream_bps is None:
-            self.stream_bps, self.setup_s, self.switchover_s = bps, setup, downtime_s
-            return
-        self.stream_bps += EWMA_WEIGHT * (bps - self.stream_bps)
-        self.setup_s += EWMA_WEIGHT * (setup - self.setup_s)
-        self.switchover_s += EWMA_WEIGHT * (downtime_s - self.switchover_s)
+        # An estimate saved before timings_learned existed learned them with its rate.
+        had_timings = self.timings_learned > 0 or self.stream_bps is not None
+        if stream:
+            self.stream_bps = _ewma(self.stream_bps, bps)
+        self.setup_s = _ewma(self.setup_s if had_timings else None, setup)
+        self.switchover_s = _ewma(self.switchover_s if had_timings else None, downtime_s)
+        self.timings_learned += 1
+
+
+def _ewma(current: float | None, sample: float) -> float:
+    return sample if current is None else current + EWMA_WEIGHT * (sample - current)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,8 +396,8 @@ class MigrationService:
         stats.update({k: v for k, v in done.items() if isinstance(v, int)})
         elapsed_ms = stats.get("time_elapsed", int(result.elapsed_s * 1000))
         moved = stats.get("memory_processed", 0)
-        if not result.switched_to_postcopy and not record.request.bandwidth_mib:
-            self.link(dest).learn(stats)
+        if not result.switched_to_postcopy:
+            self.link(dest).learn(stats, stream=not record.request.bandwidth_mib)
             self._save_links()
         pred = plan.decision.prediction
         return {
