@@ -218,10 +218,37 @@ KEEPER_FIND_TIMEOUT_S = 120.0  # how long an incoming QEMU may take to appear
 LIBVIRT_PID_DIR = Path("/run/libvirt/qemu")
 
 
+# libvirt's live status of a domain: <domstatus state='paused' reason='migration' ...>
+# while it migrates in, state='running' once the destination resumed it.
+DOMSTATUS_STATE = re.compile(r"<domstatus\b[^>]*?\bstate=['\"](\w+)['\"]")
+STATUS_HEAD_BYTES = 4096
+
+
+def runs_here(status_xml: str) -> bool:
+    """Whether libvirt's status file says the domain runs (the migration is over).
+
+    >>> runs_here("<domstatus state='paused' reason='migration' pid='7'>")
+    False
+    >>> runs_here("<domstatus state='running' reason='migrated' pid='7'>")
+    True
+    >>> runs_here("")
+    False
+    """
+    found = DOMSTATUS_STATE.search(status_xml)
+    return found is not None and found.group(1) == "running"
+
+
 @dataclasses.dataclass(frozen=True)
 class _Marks:
     target: int  # drop once the charge is above this (the cap less the headroom)
     low: int  # ... down to this, so the next interval's stream lands in free room
+
+    @classmethod
+    def of(cls, budget_bytes: int, headroom_bytes: int) -> _Marks:
+        return cls(
+            residency.target_bytes(budget_bytes, headroom_bytes),
+            residency.low_mark(budget_bytes, headroom_bytes),
+        )
 
 
 @dataclasses.dataclass
@@ -280,10 +307,7 @@ class ResidencyKeeper(threading.Thread):
         return None
 
     def _keep(self, ram: residency.GuestRam, res: dict[str, Any]) -> None:
-        marks = _Marks(
-            target=residency.target_bytes(res["budget_bytes"], res["headroom_bytes"]),
-            low=residency.low_mark(res["budget_bytes"], res["headroom_bytes"]),
-        )
+        marks = _Marks.of(res["budget_bytes"], res["headroom_bytes"])
         self.stats |= {"state": "keeping", "target_bytes": marks.target, "pid": ram.pid}
         self.stats |= {"low_bytes": marks.low}
         fds = [os.open(ram.path, os.O_RDONLY), os.pidfd_open(ram.pid)]
@@ -298,11 +322,24 @@ class ResidencyKeeper(threading.Thread):
                 if os.fstat(fds[0]).st_nlink == 0:
                     self.stats["state"] = "VM left"
                     return
+                if self.stats["state"] == "keeping" and self._guest_runs_here():
+                    # No final round to come: the guest gets its budget but a margin.
+                    marks = _Marks.of(res["budget_bytes"], residency.resumed_headroom(
+                        res["budget_bytes"]))  # fmt: skip
+                    self.stats |= {"state": "keeping, the guest running here"}
+                    self.stats |= {"target_bytes": marks.target, "low_bytes": marks.low}
                 self._step(ram, fds, marks, state)
         finally:
             for fd in fds:
                 if fd >= 0:
                     os.close(fd)
+
+    def _guest_runs_here(self) -> bool:
+        try:
+            with open(LIBVIRT_PID_DIR / f"{self.vm}.xml", encoding="utf-8") as status:
+                return runs_here(status.read(STATUS_HEAD_BYTES))
+        except (OSError, UnicodeDecodeError):
+            return False  # not known: the headroom stays
 
     def _step(self, ram: residency.GuestRam, fds: list[int], marks: _Marks, state: _Chunks) -> None:
         file_fd, pidfd = fds[0], fds[1]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agents.agent import split_store
+from agents.agent import residency, split_store
 
 
 def _file(tmp_path: Path, mib: float) -> Path:
@@ -99,3 +99,22 @@ def test_memory_file_finds_what_libvirt_made(tmp_path: Path) -> None:
     assert store.memory_file("vm") is None
     with pytest.raises(Exception, match="vm/../x"):
         store.memory_file("vm/../x")
+
+
+def test_the_keeper_gives_the_guest_its_budget_once_libvirt_says_it_runs_here(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """Before the switchover the keeper keeps the final round's headroom free; once
+    libvirt's status file says the domain runs, only a small margin stays."""
+    monkeypatch.setattr(split_store, "LIBVIRT_PID_DIR", tmp_path)
+    keeper = split_store.ResidencyKeeper(None, "vm1", threading.Event())
+    assert not keeper._guest_runs_here()  # no status file: not known, headroom kept
+    status = tmp_path / "vm1.xml"
+    status.write_text("<domstatus state='paused' reason='migration' pid='7'>\n<domain/>")
+    assert not keeper._guest_runs_here()
+    status.write_text("<domstatus state='running' reason='migrated' pid='7'>\n<domain/>")
+    assert keeper._guest_runs_here()
+    before = split_store._Marks.of(256 << 20, 64 << 20)
+    after = split_store._Marks.of(256 << 20, residency.resumed_headroom(256 << 20))
+    assert (before.target >> 20, before.low >> 20) == (192, 160)
+    assert (after.target >> 20, after.low >> 20) == (248, 244)
