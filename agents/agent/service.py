@@ -25,6 +25,7 @@ from agents.agent import (
     facts,
     inventory,
     listener,
+    mover_files,
     movers,
     offload_hook,
     privileged,
@@ -489,6 +490,14 @@ def tls(conf: cfg.ConfigOpts) -> ssl.SSLContext | None:
     return listener.server_tls(conf.agent.tls_cert_file, conf.agent.tls_key_file)
 
 
+def sweep_movers(state_dir: str) -> None:
+    """A previous agent's mover files: retired now, or when its movers end."""
+    orphans = mover_files.Orphans(mover_files.sweep(Path(state_dir)))
+    if orphans.found:
+        LOG.warning("%d mover(s) of a previous agent still run", len(orphans.found))
+        threading.Thread(target=orphans.run, name="mover-orphans", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     conf = config.CONF
     try:
@@ -499,6 +508,7 @@ def main(argv: list[str] | None = None) -> int:
         config.check_tls(conf)
         config.check_workers(conf)
         agent = Agent(conf)
+        sweep_movers(conf.agent.state_dir)
         privileged.start()
         servers = api.make_servers(
             conf.agent.listen_address,
