@@ -15,7 +15,9 @@ An agent that restarts finds its predecessor's files (``sweep``): those of
 movers no longer running are retired at once; movers still running (the
 predecessor was killed mid-migration: their stream may still carry a postcopy
 VM's memory, so killing them could lose it) are left to end and retired then
-by ``Orphans.reap``, or killed once they have run ORPHAN_MAX_S.
+by ``Orphans.reap``, or killed once they have run ORPHAN_MAX_S.  Movers this
+agent started whose migration never comes back for them (the other agent died)
+are ``movers.reap_unclaimed``'s.
 """
 
 from __future__ import annotations
@@ -157,11 +159,6 @@ class Orphans:
             (ended[0].base.parent / f"mig-{pair}.sock").unlink(missing_ok=True)
         self.found = running
         return running
-
-    def run(self, interval_s: float = 5.0) -> None:
-        """Reap until none is left (an agent thread's body)."""
-        while self.reap():
-            time.sleep(interval_s)
 
 
 def _alive(pid: int) -> bool:

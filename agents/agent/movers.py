@@ -35,6 +35,9 @@ from flexmig import exceptions
 
 PORT_RANGE = range(7470, 7500)
 READY_TIMEOUT_S = 15.0
+# A finished pair is claimed (/v1/mover/finish) within ~30 s of its end: the
+# source waits that long for its own senders' statistics first.
+UNCLAIMED_S = 60.0
 MAX_STREAMS = 9  # libvirt's parallel connections (<= 8 here) plus the main stream
 SUMMED_STATS = ("bytes", "batches", "reverse_bytes", "cpu_user_s", "cpu_sys_s", "cpu_transfer_s")
 _next_port = [0]
@@ -162,6 +165,16 @@ class MoverSet:
 
     def __init__(self, members: list[MoverProcess]) -> None:
         self.members = members
+        self.started = time.monotonic()
+        self.ended_at: float | None = None  # when first seen all ended
+
+    def unclaimed(self, now: float, grace_s: float, max_run_s: float) -> bool:
+        """Whether nobody will come for it: all ended more than ``grace_s``
+        ago, or still running after ``max_run_s``."""
+        if any(m.proc.poll() is None for m in self.members):
+            return now - self.started > max_run_s
+        self.ended_at = self.ended_at or now
+        return now - self.ended_at > grace_s
 
     def wait(self, timeout: float) -> dict[str, Any]:
         """Wait for every stream; their statistics summed (time: the slowest's)."""
@@ -175,6 +188,26 @@ class MoverSet:
     def kill(self) -> None:
         for member in self.members:
             member.kill()
+
+
+def reap_unclaimed(
+    sets: dict[str, MoverSet],
+    state_dir: str,
+    now: float | None = None,
+    grace_s: float = UNCLAIMED_S,
+    max_run_s: float = mover_files.ORPHAN_MAX_S,
+) -> list[str]:
+    """Kill and retire the movers whose migration never came back for them
+    (its agent died before /v1/mover/finish); returns their ids.  A finish
+    arriving later finds nothing (NotFound: the caller takes it as gone)."""
+    now = time.monotonic() if now is None else now
+    reaped = []
+    for mid, mover_set in list(sets.items()):
+        if mover_set.unclaimed(now, grace_s, max_run_s) and sets.pop(mid, None) is not None:
+            mover_set.kill()
+            Path(socket_path(state_dir, mid)).unlink(missing_ok=True)
+            reaped.append(mid)
+    return reaped
 
 
 def combine_stats(per_stream: list[dict[str, Any]]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ its end and then checks:
   run's migration -- judged by its id, so an earlier run's file is never
   charged to this one; a failed mover's log the agent keeps (``.failed.log``,
   within its bound) is a diagnostic, counted apart --, no store file of the VM
-  on the host it does not run on;
+  on the host it does not run on (all given CLEANUP_GRACE_S to go);
 - the next migration of the VM (back where it came from) completes.
 
 A run records the transport its migration really used (the agent's record
@@ -87,6 +87,9 @@ FILLER = "campaign-filler"
 # A cell whose migrations ran over another transport this many times on one
 # libvirt is known not to apply there (the planner's choice, not chance).
 NA_SKIP_AFTER = 2
+# Movers nobody finishes (their migration's agent died) are retired by the
+# other agent 60 s after they end (agents.agent.movers.UNCLAIMED_S), checked every 5 s.
+CLEANUP_GRACE_S = 75.0
 COUNTED = ("completed", "failed", "vm_lost", "bad_pages", "lost_pages", "leftovers", "next_ok",
            "recovered")  # fmt: skip
 
@@ -431,7 +434,7 @@ class Campaign:
             return run
         check = guest.verify()
         run["bad"], run["lost"] = check["bad"], check["lost"]
-        run["leftovers"], run["kept_logs"] = self.leftovers(name, running[0], mid)
+        run["leftovers"], run["kept_logs"] = self.leftovers_settled(name, running[0], mid)
         back = dst if running[0] == src else src
         try:
             result = migrate_cli.migrate(self.lab, name, back, show=False)
@@ -481,6 +484,16 @@ class Campaign:
             state = host.ns.root_path(AGENT_STATE_DIR)
             found[host.name] = sorted(p.name for p in state.iterdir()) if state.exists() else []
         return found
+
+    def leftovers_settled(self, name: str, where: str, mid: str) -> tuple[list[str], list[str]]:
+        """``leftovers`` once the agents had CLEANUP_GRACE_S to clean up: movers
+        whose migration's agent died are retired that long after they end."""
+        deadline = time.monotonic() + CLEANUP_GRACE_S
+        while True:
+            found, kept = self.leftovers(name, where, mid)
+            if not found or time.monotonic() > deadline:
+                return found, kept
+            time.sleep(3.0)
 
     def leftovers(self, name: str, where: str, mid: str) -> tuple[list[str], list[str]]:
         """What this run's migration left behind, and the failed movers' logs the

@@ -205,6 +205,32 @@ def test_a_sender_that_cannot_reach_its_receiver_leaves_only_its_log(mover, tmp_
     assert left == ["mover-abc125-send.failed.log"], left
 
 
+class _Member:
+    def __init__(self, argv):
+        self.proc = subprocess.Popen(argv)
+        self.killed = False
+
+    def kill(self):
+        self.killed = self.proc.poll() is None
+        self.proc.kill()
+        self.proc.wait()
+
+
+def test_movers_nobody_comes_back_for_are_reaped_after_a_grace(tmp_path):
+    ended, running = _Member(["true"]), _Member(["sleep", "60"])
+    ended.proc.wait()
+    sets = {"aaa111": movers.MoverSet([ended]), "bbb222": movers.MoverSet([running])}
+    (tmp_path / "mig-aaa111.sock").write_text("")
+    now = sets["aaa111"].started
+    assert movers.reap_unclaimed(sets, str(tmp_path), now, grace_s=60, max_run_s=600) == []
+    # Ended 61 s ago and never finished: its migration's agent is gone.
+    assert movers.reap_unclaimed(sets, str(tmp_path), now + 61, 60, 600) == ["aaa111"]
+    assert list(sets) == ["bbb222"] and not (tmp_path / "mig-aaa111.sock").exists()
+    assert not running.killed
+    assert movers.reap_unclaimed(sets, str(tmp_path), now + 601, 60, 600) == ["bbb222"]
+    assert running.killed and sets == {}
+
+
 def test_combined_statistics_sum_counters_and_take_the_slowest_stream():
     total = movers.combine_stats(
         [
