@@ -254,10 +254,27 @@ class FlowManager:
         cutoff = self.clock() - seconds
         expired = [m for m, since in self._kept_since.items() if since < cutoff]
         for match in expired:
-            self._kept_since.pop(match)
-            self._kept_ids.pop(match, None)
-            self._restored.pop(match, None)
+            self.drop_kept(match)
         return expired
+
+    def kept_entering_by(self, ports: Iterable[str]) -> dict[FlowMatch, tuple[FlowCounters, ...]]:
+        """Kept counters, (onloaded, offloaded), of flows entering by ``ports`` that
+        have not been seen again: a VM leaving takes them with it."""
+        wanted = set(ports)
+        kept = {}
+        for match in self._kept_ids:
+            if match.in_port not in wanted or match in self._flows:
+                continue
+            ruled, onloaded, offloaded = self._restored.get(match, (FlowCounters(),) * 3)
+            if (ruled + onloaded + offloaded).packets:
+                kept[match] = (ruled + onloaded, offloaded)
+        return kept
+
+    def drop_kept(self, match: FlowMatch) -> None:
+        """Forget a kept flow's counters (expired, or gone with its VM)."""
+        self._kept_since.pop(match, None)
+        self._kept_ids.pop(match, None)
+        self._restored.pop(match, None)
 
     def _take_id(self) -> int:
         flow_id = self._next_id

@@ -138,6 +138,18 @@ def transfer_of(flow: TrackedFlow, was_offloaded: bool) -> FlowTransfer:
     )  # fmt: skip
 
 
+def kept_transfer(
+    match: FlowMatch, onloaded: FlowCounters, offloaded: FlowCounters
+) -> FlowTransfer:
+    """A kept flow's record: it entered by the VM's port (so it is the VM's, going
+    out), onloaded now (an earlier run's offload entries were read back)."""
+    return FlowTransfer(
+        match, match.in_port, policy_mod.Direction.EGRESS.value, False,
+        "counted by an earlier run of the service, not seen again before the migration",
+        onloaded, offloaded, 0, None,
+    )  # fmt: skip
+
+
 @dataclasses.dataclass
 class FlowMigration:
     """One VM's migration as this host sees it (shown in the status file)."""
@@ -154,6 +166,9 @@ class FlowMigration:
     # Ports whose flows were re-keyed here (old -> new): records from the peer
     # that still name the old port (the source's final counters) follow them.
     renamed: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Source: flows of the VM an earlier run of the service counted and this one
+    # has not seen again (kept counters): they move with the VM too.
+    kept: set[FlowMatch] = dataclasses.field(default_factory=set)
 
     def reoffloaded(self) -> dict[str, float]:
         """Flows offloaded again since the migration began here, and when."""
@@ -176,6 +191,7 @@ class FlowMigration:
             "state": self.state,
             "reason": self.reason,
             "flows": len(self.flows),
+            "kept_flows": len(self.kept),
             "were_offloaded": len(self.was_offloaded),
             "events": dict(self.events),
             "reoffloaded": self.reoffloaded(),
@@ -231,13 +247,29 @@ class FlowMigrations:
             flow.held = why
             if flow.state is FlowState.OFFLOADED:  # the provider kept it: say so, still hold
                 flow.reason = f"{why} (the provider could not remove it)"
+        mig.kept = set(self.control.flows.kept_entering_by(mig.ports))
         self._stamp(mig, "departing")
-        return [transfer_of(f, f.match in mig.was_offloaded) for f in flows.values()]
+        return self.records(migration_id)
 
     def records(self, migration_id: str) -> list[FlowTransfer]:
         """The records of a departing migration's flows as they are now."""
         mig = self.get(migration_id, Role.SOURCE)
-        return [transfer_of(f, m in mig.was_offloaded) for m, f in mig.flows.items()]
+        tracked = [transfer_of(f, m in mig.was_offloaded) for m, f in mig.flows.items()]
+        return tracked + self._kept_records(mig)
+
+    def _kept_records(self, mig: FlowMigration) -> list[FlowTransfer]:
+        """Records of the VM's kept flows: from the kept counters, or from the flow
+        they became when seen again during the migration."""
+        kept = self.control.flows.kept_entering_by(mig.ports)
+        records = []
+        for match in sorted(mig.kept, key=_key):
+            flow = self.control.flows.get(match)
+            if flow is not None and match not in mig.flows:
+                records.append(transfer_of(flow, False))
+            elif match in kept:
+                onloaded, offloaded = kept[match]
+                records.append(kept_transfer(match, onloaded, offloaded))
+        return records
 
     def _flows_moving_with(self, ports: tuple[str, ...]) -> list[TrackedFlow]:
         """The VM's own flows (entering by its ports) and those reaching it from an
@@ -255,12 +287,18 @@ class FlowMigrations:
         """The VM runs on the destination: final records; the flows are forgotten
         here (returned so the app deletes their rules)."""
         mig = self.get(migration_id, Role.SOURCE)
-        final = [transfer_of(f, f.match in mig.was_offloaded) for f in mig.flows.values()]
+        final = self.records(migration_id)
         gone = []
         for match, flow in mig.flows.items():
             if self.control.flows.get(match) is flow:
                 self.control.forget(match)
                 gone.append(flow)
+        for match in mig.kept - set(mig.flows):
+            flow = self.control.flows.get(match)
+            if flow is not None:  # seen again during the migration: it left too
+                self.control.forget(match)
+                gone.append(flow)
+            self.control.flows.drop_kept(match)
         self._stamp(mig, "finished")
         return final, gone
 

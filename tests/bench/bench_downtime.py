@@ -60,6 +60,8 @@ def run_flexmig(lab: Lab, name: str) -> dict:
         used.append(f"hint {knobs['avail_switchover_mib']} MiB/s")
     if (knobs.get("parallel") or 1) > 1:
         used.append(f"{knobs['parallel']} channels")
+    if result.get("downtime_limit_ms"):
+        used.append(f"limit {result['downtime_limit_ms']} ms")
     return dict(
         ok=result["state"] == "completed",
         mode=result.get("mode"),
@@ -98,10 +100,13 @@ def row(workload: str, strategy: str, runs: list[dict]) -> str:
     first = runs[0]
     gap, pred = med("gap_ms"), med("pred_ms")
     err = f"{(pred - gap) / gap * 100:+.0f}%" if gap and not math.isnan(pred) else ""
+    gaps = sorted(r["gap_ms"] for r in runs if isinstance(r.get("gap_ms"), int | float)
+                  and not math.isnan(r["gap_ms"]))  # fmt: skip
+    spread = f" ({gaps[0]:.0f}-{gaps[-1]:.0f})" if len(gaps) > 1 else ""
     parts = ", ".join(f"{k} {v:.0f}" for k, v in (first.get("parts") or {}).items() if v)
     return (
         f"| {workload} | {strategy} | {ok}/{len(runs)} | {first.get('mode') or ''} | "
-        f"{med('time_s'):.2f} | {gap:.0f} | {med('qemu_ms'):.0f} | {pred:.0f} | {err} | "
+        f"{med('time_s'):.2f} | {gap:.0f}{spread} | {med('qemu_ms'):.0f} | {pred:.0f} | {err} | "
         f"{parts} | {first.get('knobs', '')} | {max(r.get('bad', 0) for r in runs)} | "
         f"{first.get('note', '')} |"
     )
@@ -162,7 +167,8 @@ def write(args: argparse.Namespace, started: tuple, software: dict, lines: list[
         f"{libvirt_v // 1_000_000}.{libvirt_v // 1000 % 1000}, QEMU "
         f"{bench_modes._lab_qemu_version()}. Medians of {args.repeat} run(s); load average "
         f"at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (shared machine). "
-        "guest ms: the longest heartbeat gap; QEMU ms: libvirt's downtime statistic; "
+        "guest ms: the longest heartbeat gap (median, and the range over the runs); "
+        "QEMU ms: libvirt's downtime statistic; "
         "predicted: the plan's forecast of the guest's gap (flexmig/migration/downtime.py), "
         "error = (predicted - measured) / measured.",
         "",

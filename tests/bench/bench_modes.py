@@ -128,6 +128,7 @@ def run_plain(lab, name, strategy):
         ok=True,
         time_s=stats.get("time_elapsed", wall_s * 1000) / 1000,
         gap_ms=gap,
+        qemu_ms=stats.get("downtime", math.nan),
         bytes_mib=stats.get("memory_processed", math.nan) / 2**20,
         bad=bad,
     )

@@ -24,8 +24,10 @@ import argparse
 import datetime
 import math
 import os
+import signal
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -181,6 +183,8 @@ def main() -> None:
     cases = args.cases.split(",")
     if "enough" not in cases or not set(cases) <= set(CASES):
         raise SystemExit(f"--cases: a subset of {', '.join(CASES)} including 'enough'")
+    # A timeout's or an operator's SIGTERM still takes the lab (and the swap) down.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     image.build()
     args.load_at_start = os.getloadavg()[0]
     args.started = datetime.datetime.now(datetime.UTC).strftime("%H:%M")

@@ -35,6 +35,9 @@ def test_moderate_vm_goes_by_precopy(lab):
         vm.destroy(lab, "moderate")
 
 
+HOT_LINK_MIB = 24
+
+
 def test_hot_anonymous_vm_goes_by_hybrid_postcopy(lab):
     vm.create(
         lab,
@@ -44,10 +47,13 @@ def test_hot_anonymous_vm_goes_by_hybrid_postcopy(lab):
         memory_backing="anonymous",
         name="hot",
     )
+    # The link well below what the guest rewrites even on a loaded host: at
+    # 64 MiB/s a CI run at load 10 learnt the stream at 35 MiB/s against the
+    # TCG guest's 33 MiB/s of dirtying, and precopy was (rightly) chosen.
     try:
-        plan = migrate_cli.explain(lab, "hot", "B", bandwidth_mib=64)
+        plan = migrate_cli.explain(lab, "hot", "B", bandwidth_mib=HOT_LINK_MIB)
         assert plan["mode"] == "postcopy", plan["explanation"]
-        result = migrate_cli.migrate(lab, "hot", "B", show=False, bandwidth_mib=64)
+        result = migrate_cli.migrate(lab, "hot", "B", show=False, bandwidth_mib=HOT_LINK_MIB)
         _assert_intact(result, "B")
         assert result["mode"] == "postcopy" and result["switched_to_postcopy"]
         assert result["store_writeback_rounds"] == 0  # anonymous memory: no file to write

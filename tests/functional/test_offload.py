@@ -412,6 +412,9 @@ def test_a_flow_seen_before_a_reconnection_counts_each_packet_once(olab, lab):
     start_flow(service, eps, "s1", 41053, 9801)
     _reconnect_bridge(service, lab.host("A"))
     start_flow(service, eps, "s1", 41053, 9801)
+    # Shown counters lag by a push and a poll (longer on a loaded host): wait for
+    # the second packet, then check it stays counted once.
+    wait_flow(service, 41053, 9801, lambda f: f["packets"] >= 2, what="the second packet counted")
     settle()
     assert flow_status(service, 41053, 9801)["packets"] == 2
     assert endpoint_counts(service, 41053, 9801)[0][0] == 2

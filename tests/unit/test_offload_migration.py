@@ -222,3 +222,59 @@ def test_records_in_parts_arrive_whole_and_a_bad_part_changes_nothing():
     dst_mig.resume("m1")
     with pytest.raises(exceptions.InvalidInput, match="resumed"):  # parts come before resume
         dst_mig.add_records("m1", records[:1])
+
+
+def test_kept_counters_of_a_vm_flow_not_seen_again_move_with_the_vm():
+    """After a restart of the source's service a quiet flow is only kept counters
+    (no rule, not tracked); a migration before its next packet takes them along:
+    the destination goes on from them and the source shows the flow no more."""
+    src, dst = two_hosts()
+    quiet, other_port = flow(1), flow(2, port="tap9")
+    src.control.flows.restore(quiet, onloaded=FlowCounters(40, 40 * SIZE),
+                              offloaded=FlowCounters(60, 60 * SIZE))  # fmt: skip
+    src.control.flows.restore(other_port, onloaded=FlowCounters(5, 5 * SIZE))
+    src_mig, dst_mig = migration.FlowMigrations(src.control), migration.FlowMigrations(dst.control)
+    records = src_mig.depart("m1", ["tap0"], "hostB")
+    assert [(r.match, r.total.packets, r.direction) for r in records] == [(quiet, 100, "egress")]
+    dst_mig.arrive("m1", ["tap0"], "hostA", wire(records))
+    dst_mig.resume("m1")
+    dst.sent[quiet] = 100
+    dst.start(quiet, "phy0")
+    for _ in range(2):
+        dst.tick({quiet: 200})
+    final, _ = src_mig.finish("m1")
+    dst_mig.settle("m1", wire(final))
+    arrived = dst.control.flows.get(quiet)
+    assert arrived.total == FlowCounters(dst.sent[quiet], dst.sent[quiet] * SIZE)
+    assert quiet not in src.control.flows.kept_entering_by(["tap0"])
+    assert src.control.flows.kept_entering_by(["tap9"])  # another VM's stays here
+    # The source's dump lists the other VM's kept flow, no longer the one that left.
+    shown = src.control.flows.records({"tap0": 3, "tap9": 9}.get)
+    assert [r.match["in_port"] for r in shown] == [9]
+
+
+def test_a_kept_flow_seen_again_during_the_migration_leaves_with_its_counters():
+    src, dst = two_hosts()
+    quiet = flow(1)
+    src.control.flows.restore(quiet, onloaded=FlowCounters(30, 30 * SIZE))
+    src_mig = migration.FlowMigrations(src.control)
+    src_mig.depart("m1", ["tap0"], "hostB")
+    src.sent[quiet] = 30
+    src.start(quiet, "phy0")  # the VM still runs on the source: the flow is back
+    src.tick({quiet: 100})
+    final, gone = src_mig.finish("m1")
+    assert [(r.match, r.total.packets) for r in final] == [(quiet, src.sent[quiet])]
+    assert [f.match for f in gone] == [quiet] and src.control.flows.get(quiet) is None
+    assert not src.control.flows.kept_entering_by(["tap0"])
+
+
+def test_a_failed_migration_leaves_kept_counters_where_they_were():
+    src, _ = two_hosts()
+    quiet = flow(1)
+    src.control.flows.restore(quiet, onloaded=FlowCounters(7, 7 * SIZE))
+    src_mig = migration.FlowMigrations(src.control)
+    src_mig.depart("m1", ["tap0"], "hostB")
+    src_mig.restore("m1", "libvirt failed")
+    assert src.control.flows.kept_entering_by(["tap0"]) == {
+        quiet: (FlowCounters(7, 7 * SIZE), FlowCounters())
+    }

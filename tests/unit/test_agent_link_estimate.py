@@ -1,0 +1,49 @@
+"""What an agent learns about a destination from its completed precopy jobs."""
+
+import pytest
+
+from agents.agent.migrations import LinkEstimate
+
+MIB = 2**20
+
+
+def job(bps_mib, processed_mib, elapsed_ms, downtime_ms):
+    return {
+        "memory_bps": bps_mib * MIB,
+        "memory_processed": processed_mib * MIB,
+        "time_elapsed": elapsed_ms,
+        "downtime": downtime_ms,
+    }
+
+
+def test_an_uncapped_job_teaches_the_stream_rate_setup_and_switchover():
+    link = LinkEstimate()
+    link.learn(job(200, 400, 4100, 100))  # 2 s of transfer, 0.1 s switchover, 2 s setup
+    assert link.stream_bps == 200 * MIB
+    assert link.setup_s == pytest.approx(2.0) and link.switchover_s == pytest.approx(0.1)
+
+
+def test_a_capped_job_teaches_setup_and_switchover_but_not_the_rate():
+    """A job under a bandwidth cap moves at the cap, not at what the link carries;
+    its setup (the destination's QEMU starting) is the link's all the same."""
+    link = LinkEstimate()
+    link.learn(job(100, 300, 5060, 60), stream=False)
+    assert link.stream_bps is None
+    assert link.setup_s == pytest.approx(2.0) and link.switchover_s == pytest.approx(0.06)
+    link.learn(job(100, 300, 6000, 100), stream=False)  # averaged, not replaced
+    assert link.setup_s == pytest.approx(2.45) and link.switchover_s == pytest.approx(0.08)
+    link.learn(job(250, 500, 4030, 30))  # the first uncapped job: its rate as it is
+    assert link.stream_bps == 250 * MIB
+    assert link.setup_s == pytest.approx(2.225) and link.timings_learned == 3
+
+
+def test_an_estimate_saved_before_timings_were_counted_keeps_averaging_them():
+    link = LinkEstimate(stream_bps=100 * MIB, setup_s=1.0, switchover_s=0.05)
+    link.learn(job(100, 100, 4050, 50), stream=False)
+    assert link.setup_s == pytest.approx(2.0) and link.stream_bps == 100 * MIB
+
+
+def test_a_job_without_a_rate_teaches_nothing():
+    link = LinkEstimate()
+    link.learn({"memory_bps": 0, "time_elapsed": 1000, "downtime": 30})
+    assert link == LinkEstimate()
