@@ -145,7 +145,9 @@ agent_opts = [
     cfg.StrOpt(
         "state_dir",
         default="/run/flexmig",
-        help="Where split reservations for the libvirt hook are kept.",
+        help="Where split reservations for the libvirt hook are kept, and the "
+        "movers' sockets and files; the logs of the 20 most recent failed movers "
+        "stay there as mover-<id>-<role>.failed.log (agents/agent/mover_files.py).",
     ),
 ]
 

@@ -29,11 +29,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from agents.agent import mover_files
 from agents.mover import BINARY
 from flexmig import exceptions
 
 PORT_RANGE = range(7470, 7500)
 READY_TIMEOUT_S = 15.0
+# A finished pair is claimed (/v1/mover/finish) within ~30 s of its end: the
+# source waits that long for its own senders' statistics first.
+UNCLAIMED_S = 60.0
 MAX_STREAMS = 9  # libvirt's parallel connections (<= 8 here) plus the main stream
 SUMMED_STATS = ("bytes", "batches", "reverse_bytes", "cpu_user_s", "cpu_sys_s", "cpu_transfer_s")
 _next_port = [0]
@@ -79,6 +83,8 @@ class MoverProcess:
                 what=str(BINARY), hint="run 'make -C agents/mover' (tools/setup.sh does)"
             )
         base = Path(state_dir) / f"mover-{migration_id}-{role}{stream or ''}"
+        self.base = base
+        self.retired = False
         self.token_file = base.with_suffix(".token")
         self.stats_file = base.with_suffix(".stats")
         self.log_file = base.with_suffix(".log")
@@ -107,36 +113,51 @@ class MoverProcess:
             )
 
     def wait(self, timeout: float) -> dict[str, Any]:
+        """Its statistics once it ended well; BackendError (its log kept) if not."""
         try:
             rc = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.kill()
-            rc = -1
-        self.token_file.unlink(missing_ok=True)
-        self.ready_file.unlink(missing_ok=True)
-        if rc != 0:
-            self.stats_file.unlink(missing_ok=True)
-            raise exceptions.BackendError(
-                backend="mover",
-                reason=f"exited with {rc}: {self.log_file.read_text(errors='replace')[-300:]}",
-            )
-        # Read once, then gone: the stats file is a hand-over, not a record (the
-        # log is kept); every completed migration left both ends' behind (found
-        # by the fault campaign).
-        try:
-            return json.loads(self.stats_file.read_text())
-        finally:
-            self.stats_file.unlink(missing_ok=True)
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(5)
-        # The ready file too: a failed migration's killed movers left it behind
-        # (found by the fault campaign's killed-mover cell).
-        self.token_file.unlink(missing_ok=True)
-        self.ready_file.unlink(missing_ok=True)
-        self.stats_file.unlink(missing_ok=True)
+            rc = -1
+        if rc != 0:
+            tail = self.log_tail()
+            self.retire(ok=False)
+            raise exceptions.BackendError(backend="mover", reason=f"exited with {rc}: {tail}")
+        # Read once, then gone: the stats file is a hand-over, not a record.
+        try:
+            return json.loads(self.stats_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise exceptions.BackendError(
+                backend="mover", reason=f"no statistics in {self.stats_file}: {exc}"
+            ) from exc
+        finally:
+            self.retire(ok=True)
+
+    def kill(self) -> None:
+        """End it if it still runs; its files go (the log is kept unless it had
+        already ended well by itself)."""
+        if self.retired:
+            return
+        killed = self.proc.poll() is None
+        if killed:
+            self.proc.kill()
+            self.proc.wait(5)
+        self.retire(ok=not killed and self.proc.returncode == 0)
+
+    def log_tail(self, size: int = 300) -> str:
+        """The end of its log, wherever it is now (kept or not yet retired)."""
+        for path in (self.log_file, mover_files.failed_log(self.base)):
+            with contextlib.suppress(FileNotFoundError):
+                return path.read_text(errors="replace")[-size:]
+        return ""
+
+    def retire(self, ok: bool) -> None:
+        # Every path ends here once (the fault campaign found ready, stats and
+        # log files left by killed, failed and completed movers alike).
+        if not self.retired:
+            self.retired = True
+            mover_files.retire(self.base, ok)
 
 
 class MoverSet:
@@ -144,6 +165,16 @@ class MoverSet:
 
     def __init__(self, members: list[MoverProcess]) -> None:
         self.members = members
+        self.started = time.monotonic()
+        self.ended_at: float | None = None  # when first seen all ended
+
+    def unclaimed(self, now: float, grace_s: float, max_run_s: float) -> bool:
+        """Whether nobody will come for it: all ended more than ``grace_s``
+        ago, or still running after ``max_run_s``."""
+        if any(m.proc.poll() is None for m in self.members):
+            return now - self.started > max_run_s
+        self.ended_at = self.ended_at or now
+        return now - self.ended_at > grace_s
 
     def wait(self, timeout: float) -> dict[str, Any]:
         """Wait for every stream; their statistics summed (time: the slowest's)."""
@@ -157,6 +188,26 @@ class MoverSet:
     def kill(self) -> None:
         for member in self.members:
             member.kill()
+
+
+def reap_unclaimed(
+    sets: dict[str, MoverSet],
+    state_dir: str,
+    now: float | None = None,
+    grace_s: float = UNCLAIMED_S,
+    max_run_s: float = mover_files.ORPHAN_MAX_S,
+) -> list[str]:
+    """Kill and retire the movers whose migration never came back for them
+    (its agent died before /v1/mover/finish); returns their ids.  A finish
+    arriving later finds nothing (NotFound: the caller takes it as gone)."""
+    now = time.monotonic() if now is None else now
+    reaped = []
+    for mid, mover_set in list(sets.items()):
+        if mover_set.unclaimed(now, grace_s, max_run_s) and sets.pop(mid, None) is not None:
+            mover_set.kill()
+            Path(socket_path(state_dir, mid)).unlink(missing_ok=True)
+            reaped.append(mid)
+    return reaped
 
 
 def combine_stats(per_stream: list[dict[str, Any]]) -> dict[str, Any]:
@@ -188,7 +239,8 @@ def wait_ready(senders: list[MoverProcess], timeout: float = READY_TIMEOUT_S) ->
     for mover in senders:
         while not mover.ready_file.exists():
             if mover.proc.poll() is not None or time.monotonic() > deadline:
-                log = mover.log_file.read_text(errors="replace")[-300:]
+                log = mover.log_tail()
+                mover.kill()  # its log kept as a failed one
                 raise exceptions.BackendError(
                     backend="source mover", reason=f"did not get ready: {log}"
                 )
@@ -270,13 +322,21 @@ def start_senders(
             members.append(mover)
         wait_ready(members)
     except OSError as exc:
-        MoverSet(members).kill()
+        _abandon(members, path)
         raise exceptions.BackendError(
             backend="source movers", reason=f"socket {path}: {exc}"
         ) from exc
     except exceptions.FlexMigError:
-        MoverSet(members).kill()
+        _abandon(members, path)
         raise
     finally:
         listener.close()  # the movers hold it now
     return MoverSet(members)
+
+
+def _abandon(members: list[MoverProcess], path: str) -> None:
+    """Senders that never got going: killed, and their socket gone with them
+    (nobody else knows it exists: the caller never got its URI)."""
+    MoverSet(members).kill()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)

@@ -25,6 +25,7 @@ from agents.agent import (
     facts,
     inventory,
     listener,
+    mover_files,
     movers,
     offload_hook,
     privileged,
@@ -489,6 +490,28 @@ def tls(conf: cfg.ConfigOpts) -> ssl.SSLContext | None:
     return listener.server_tls(conf.agent.tls_cert_file, conf.agent.tls_key_file)
 
 
+def tend_movers(agent: Agent, interval_s: float = 5.0) -> None:
+    """Movers nobody will finish: a previous agent's (retired when they end)
+    and this agent's whose migration's other agent died (``reap_unclaimed``)."""
+    state_dir = agent.conf.agent.state_dir
+    orphans = mover_files.Orphans(mover_files.sweep(Path(state_dir)))
+    if orphans.found:
+        LOG.warning("%d mover(s) of a previous agent still run", len(orphans.found))
+
+    def tend() -> None:
+        while True:
+            time.sleep(interval_s)
+            try:
+                orphans.reap()
+                for sets in (agent.receivers, agent.senders):
+                    for mid in movers.reap_unclaimed(sets, state_dir):
+                        LOG.warning("movers %s ended unclaimed: their migration is gone", mid)
+            except Exception:  # the next round tries again; the agent serves on
+                LOG.exception("tending movers")
+
+    threading.Thread(target=tend, name="mover-tender", daemon=True).start()
+
+
 def main(argv: list[str] | None = None) -> int:
     conf = config.CONF
     try:
@@ -499,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
         config.check_tls(conf)
         config.check_workers(conf)
         agent = Agent(conf)
+        tend_movers(agent)
         privileged.start()
         servers = api.make_servers(
             conf.agent.listen_address,

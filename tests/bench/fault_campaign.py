@@ -16,9 +16,18 @@ its end and then checks:
 - the VM runs on exactly one host, and its guest's ``verify`` finds 0 bad and
   0 lost pages;
 - nothing is left behind: no split reservation on either agent, no memory
-  cgroup, no mover process, socket or token file, no store file of the VM on
-  the host it does not run on;
+  cgroup, no mover process or file (socket, token, ready, stats, log) of this
+  run's migration -- judged by its id, so an earlier run's file is never
+  charged to this one; a failed mover's log the agent keeps (``.failed.log``,
+  within its bound) is a diagnostic, counted apart --, no store file of the VM
+  on the host it does not run on (all given CLEANUP_GRACE_S to go);
 - the next migration of the VM (back where it came from) completes.
+
+A run records the transport its migration really used (the agent's record
+says it): where the planner chose another than the cell's (postcopy never
+rides the mover where libvirt >= 10 turns postcopy-preempt on), the fault is
+not injected and the run is counted as not applicable on those hosts, with
+the planner's reason, never as a run of the cell.
 
 Results accumulate across sessions in ``docs/benchmarks/faults.json``, keyed by
 cell (a session runs the cells with the fewest runs first, until its time
@@ -41,6 +50,7 @@ from typing import Any
 
 import libvirt
 
+from agents.agent import mover_files as agent_mover_files
 from flexmig import exceptions, hypervisor, migrate_cli, processutil
 from flexmig_lab import fabric, vm
 from flexmig_lab.lab import CGROUP_ROOT, Lab
@@ -74,6 +84,14 @@ AGENT_STATE_DIR = "/run/flexmig"  # the agents' state_dir inside a lab host
 # host, never the machine's shared disk.  No reserved blocks: QEMU runs as root.
 STORE_FS_MB = 1024
 FILLER = "campaign-filler"
+# A cell whose migrations ran over another transport this many times on one
+# libvirt is known not to apply there (the planner's choice, not chance).
+NA_SKIP_AFTER = 2
+# Movers nobody finishes (their migration's agent died) are retired by the
+# other agent 60 s after they end (agents.agent.movers.UNCLAIMED_S), checked every 5 s.
+CLEANUP_GRACE_S = 75.0
+COUNTED = ("completed", "failed", "vm_lost", "bad_pages", "lost_pages", "leftovers", "next_ok",
+           "recovered")  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,12 +130,55 @@ def load_results(path: Path = RESULTS) -> dict[str, dict[str, Any]]:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
+def not_applicable(cell: Cell, used: dict[str, Any] | None) -> str | None:
+    """Why a run did not test ``cell`` (None: it did): the migration went over
+    another transport than the cell's (``used``: the agent's record's
+    ``transport``, None while no plan was made).
+
+    >>> cell = Cell("postcopy", "mover", "kill-src-mover", "postcopy-switch")
+    >>> not_applicable(cell, {"transport": "qemu-tcp", "reason": "preempt"})
+    'ran over qemu-tcp, not mover: preempt'
+    >>> not_applicable(cell, {"transport": "mover", "reason": "asked"}) is None
+    True
+    >>> not_applicable(cell, None) is None
+    True
+    """
+    if not used or used.get("transport") in (None, cell.transport):
+        return None
+    return f"ran over {used['transport']}, not {cell.transport}: {used.get('reason', '')}"
+
+
+def add_not_applicable(results: dict[str, dict[str, Any]], cell: Cell, run: dict[str, Any]) -> None:
+    """A run that did not test its cell: counted by libvirt, apart from its runs."""
+    row = results.setdefault(cell.key, {"runs": 0, "notes": []})
+    by_libvirt = row.setdefault("not_applicable", {})
+    version = run.get("libvirt") or "unrecorded"
+    by_libvirt[version] = by_libvirt.get(version, 0) + 1
+    reasons = row.setdefault("not_applicable_why", {})
+    reasons.setdefault(version, run["not_applicable"][:200])
+    # It tested no fault of the cell, but what it left behind is still a bug.
+    for note in run.get("leftovers", []):
+        short = f"(n/a run) {note}"[:120]
+        if short not in row["notes"] and len(row["notes"]) < 4:
+            row["notes"].append(short)
+
+
 def add_run(results: dict[str, dict[str, Any]], cell: Cell, run: dict[str, Any]) -> None:
-    row = results.setdefault(
-        cell.key,
-        {"runs": 0, "completed": 0, "failed": 0, "vm_lost": 0, "bad_pages": 0,
-         "lost_pages": 0, "leftovers": 0, "next_ok": 0, "recovered": 0, "notes": []},
-    )  # fmt: skip
+    if run.get("not_applicable"):
+        add_not_applicable(results, cell, run)
+        return
+    row = results.setdefault(cell.key, {"runs": 0, "notes": []})
+    for key in (
+        "completed",
+        "failed",
+        "vm_lost",
+        "bad_pages",
+        "lost_pages",
+        "leftovers",
+        "next_ok",
+        "recovered",
+    ):
+        row.setdefault(key, 0)  # fmt: skip
     # Which libvirt the lab hosts ran: postcopy recovery depends on it (FINDINGS).
     by_libvirt = row.setdefault("libvirt", {"unrecorded": row["runs"]} if row["runs"] else {})
     version = run.get("libvirt") or "unrecorded"
@@ -128,6 +189,7 @@ def add_run(results: dict[str, dict[str, Any]], cell: Cell, run: dict[str, Any])
     row["bad_pages"] += run["bad"]
     row["lost_pages"] += run["lost"]
     row["leftovers"] += int(bool(run["leftovers"]))
+    row["kept_logs"] = row.get("kept_logs", 0) + len(run.get("kept_logs", []))
     row["next_ok"] += int(run["next_ok"])
     row["recovered"] += int(run["recovered"])
     for note in run["leftovers"] + ([run["error"]] if run["error"] else []):
@@ -145,24 +207,23 @@ def render_table(results: dict[str, dict[str, Any]]) -> str:
         "fault at the point, repairs it (link up, daemon restarted; a filled store",
         "is freed once the migration ended), follows the migration to its end,",
         "checks the VM runs on exactly one host, the guest's",
-        "`verify`, leftovers (split reservation, memory cgroup, mover process/socket/",
-        "token, store file on the other host) and that the next migration completes.",
+        "`verify`, leftovers of that run's migration (split reservation, memory cgroup,",
+        "mover process, its socket/token/ready/stats/log files, store file on the other",
+        "host) and that the next migration completes. A failed mover's log kept by the",
+        "agent (`.failed.log`, bounded) is a diagnostic, not a leftover. A run whose",
+        "migration went over another transport than its cell's (the planner's choice on",
+        "that host) did not test the cell: it is counted under n/a, not in runs.",
         "",
         "| cell (mode/transport/fault/point) | runs | completed | failed | VM lost "
-        "| bad pages | lost pages | leftovers | next ok | postcopy resumed |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| bad pages | lost pages | leftovers | next ok | postcopy resumed | n/a |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for cell in cells():
         row = results.get(cell.key)
-        if row is None:
-            continue
-        lines.append(
-            f"| {cell.key} | {row['runs']} | {row['completed']} | {row['failed']} | "
-            f"{row['vm_lost']} | {row['bad_pages']} | {row['lost_pages']} | "
-            f"{row['leftovers']} | {row['next_ok']} | {row['recovered']} |"
-        )
+        if row is not None:
+            lines.append(_table_row(cell, row))
     done = sum(1 for c in cells() if results.get(c.key, {}).get("runs", 0) >= TARGET_RUNS)
-    started = sum(1 for c in cells() if c.key in results)
+    started = sum(1 for c in cells() if results.get(c.key, {}).get("runs", 0))
     lines += [
         "",
         f"Cells run so far: {started} of {len(cells())}; at {TARGET_RUNS} runs: {done}.",
@@ -173,6 +234,11 @@ def render_table(results: dict[str, dict[str, Any]]) -> str:
     for cell in cells():
         for note in results.get(cell.key, {}).get("notes", []):
             lines.append(f"- {cell.key}: {note}")
+    lines += ["", "Not applicable on these hosts (runs that went over another transport):", ""]
+    for cell in cells():
+        for version, why in sorted(results.get(cell.key, {}).get("not_applicable_why", {}).items()):
+            count = results[cell.key]["not_applicable"][version]
+            lines.append(f"- {cell.key}: libvirt {version}, {count} run(s): {why}")
     lines += ["", "Runs by the lab hosts' libvirt (QEMU 10.0 throughout):", ""]
     for cell in cells():
         by_libvirt = results.get(cell.key, {}).get("libvirt")
@@ -181,6 +247,12 @@ def render_table(results: dict[str, dict[str, Any]]) -> str:
             lines.append(f"- {cell.key}: {counts}")
     lines += ["", "Findings:", "", *[f"- {finding}" for finding in FINDINGS]]
     return "\n".join(lines) + "\n"
+
+
+def _table_row(cell: Cell, row: dict[str, Any]) -> str:
+    counts = [row.get(k, 0) for k in ("runs", *COUNTED)]
+    na = sum(row.get("not_applicable", {}).values())
+    return f"| {cell.key} | " + " | ".join(str(n) for n in [*counts, na]) + " |"
 
 
 FINDINGS = (
@@ -201,6 +273,12 @@ FINDINGS = (
     "reach a resume there; and the destination's libvirtd 11.3 segfaulted (in "
     "libvirt_driver_qemu.so) handling the broken postcopy of a qemu-tcp cut-30s run, "
     "after which no resume could reach it.",
+    "Since the planner's preempt rule (flexmig/policy/transport.py preempt_conflict), "
+    "a postcopy plan between libvirt >= 10 hosts goes over qemu-tcp: on 11.3 the "
+    "postcopy/mover cells do not apply (2 of 2 runs of kill-src-mover/postcopy-switch "
+    "ran over qemu-tcp, counted n/a). Their earlier 11.3 runs predate that rule and did "
+    "ride the mover; their 'postcopy never took over' fits the preempt channel failure "
+    "reproduced with the rule off ('Failed to establish preempt channel').",
 )
 
 
@@ -215,7 +293,6 @@ class Campaign:
         self.lab = lab
         self.guests: dict[str, str] = {}  # memory kind -> VM name
         self.budgets: dict[str, int] = {}
-        self.files_before: set[str] = set()
 
     def budget(self, host: str, mb: int) -> None:
         """Set a host's VM budget (restarting its agent) only when it changes."""
@@ -240,25 +317,34 @@ class Campaign:
         dst = "B" if src == "A" else "A"
         self.budget(dst, SPLIT_BUDGET_MB if cell.mode == "split" else FULL_BUDGET_MB)
         request = dict(mode=cell.mode, transport=cell.transport, bandwidth_mib=BANDWIDTH_MIB)
-        self.files_before = self.mover_files()
         try:
             _, agent, mid = migrate_cli.start(self.lab, name, dst, **request)
         except exceptions.FlexMigError as exc:
             self.budget(dst, FULL_BUDGET_MB)
-            return self.check(name, {"state": "refused", "error": str(exc)}, src, dst, False)
+            return self.check(name, {"state": "refused", "error": str(exc)}, src, dst, "", False)
         try:
-            injected = self.wait_point(agent, mid, cell.point)
+            at_point = self.wait_point(agent, mid, cell.point)
         except exceptions.Timeout:
-            injected = False
+            at_point = {}
+        # The planner may have chosen another transport (postcopy never rides
+        # the mover where libvirt turns preempt on): then the fault would test
+        # nothing of the cell; the run still checks the VM and its leftovers.
+        why_not = not_applicable(cell, at_point.get("transport"))
+        injected = at_point.get("state") in ("planning", "running") and not why_not
         repair = self.inject(cell.fault, src, dst) if injected else None
         record = self.follow(src, mid)
         if repair is not None:
             repair()
         self.budget(dst, FULL_BUDGET_MB)
-        return self.check(name, record, src, dst, injected)
+        # (An n/a run's fault was left out on purpose: not "ended before the fault".)
+        run = self.check(name, record, src, dst, mid, injected or bool(why_not))
+        used = record.get("transport") or at_point.get("transport") or {}
+        run["transport"] = used.get("transport")
+        run["not_applicable"] = why_not or not_applicable(cell, used)
+        return run
 
-    def wait_point(self, agent: Any, mid: str, point: str) -> bool:
-        """True once the migration reached ``point``; False if it ended first."""
+    def wait_point(self, agent: Any, mid: str, point: str) -> dict[str, Any]:
+        """The migration's record once it reached ``point``, or ended first."""
 
         def reached() -> dict[str, Any] | None:
             record = agent.get(f"/v1/migrations/{mid}")
@@ -280,7 +366,7 @@ class Campaign:
         )
         if point == "round":
             time.sleep(random.uniform(0.2, 2.0))  # somewhere inside a round
-        return record["state"] in ("planning", "running")
+        return record
 
     def inject(self, fault: str, src: str, dst: str) -> Any:
         """Inject ``fault``; a fault that lasts until the migration ends returns
@@ -322,7 +408,7 @@ class Campaign:
         except (exceptions.FlexMigError, KeyError, OSError) as exc:
             return {"state": "unknown", "error": f"not followed: {exc}", "summary": {}}
 
-    def check(self, name: str, record: dict[str, Any], src: str, dst: str,
+    def check(self, name: str, record: dict[str, Any], src: str, dst: str, mid: str,
               injected: bool) -> dict[str, Any]:  # fmt: skip
         running = self.settled(name)
         run: dict[str, Any] = {
@@ -332,6 +418,7 @@ class Campaign:
             "bad": 0,
             "lost": 0,
             "leftovers": [],
+            "kept_logs": [],
             "next_ok": False,
             "recovered": bool((record.get("summary") or {}).get("recovered")),
         }
@@ -347,7 +434,7 @@ class Campaign:
             return run
         check = guest.verify()
         run["bad"], run["lost"] = check["bad"], check["lost"]
-        run["leftovers"] = self.leftovers(name, running[0])
+        run["leftovers"], run["kept_logs"] = self.leftovers_settled(name, running[0], mid)
         back = dst if running[0] == src else src
         try:
             result = migrate_cli.migrate(self.lab, name, back, show=False)
@@ -390,23 +477,38 @@ class Campaign:
                 busy = True  # its libvirtd is (re)starting
         return found, busy
 
-    def mover_files(self) -> set[str]:
-        """The movers' state files on every host (their logs are diagnostics, kept)."""
-        found = set()
+    def state_files(self) -> dict[str, list[str]]:
+        """Every host's agent state files: host -> file names."""
+        found = {}
         for host in self.lab.hosts():
             state = host.ns.root_path(AGENT_STATE_DIR)
-            if state.exists():
-                found |= {f"{host.name}:{p.name}" for p in state.glob("mover-*")}
-        return {f for f in found if not f.endswith(".log")}
+            found[host.name] = sorted(p.name for p in state.iterdir()) if state.exists() else []
+        return found
 
-    def leftovers(self, name: str, where: str) -> list[str]:
-        found = []
-        stray = sorted(self.mover_files() - self.files_before)
-        if stray:
-            found.append(f"mover files {stray[:3]}")
+    def leftovers_settled(self, name: str, where: str, mid: str) -> tuple[list[str], list[str]]:
+        """``leftovers`` once the agents had CLEANUP_GRACE_S to clean up: movers
+        whose migration's agent died are retired that long after they end."""
+        deadline = time.monotonic() + CLEANUP_GRACE_S
+        while True:
+            found, kept = self.leftovers(name, where, mid)
+            if not found or time.monotonic() > deadline:
+                return found, kept
+            time.sleep(3.0)
+
+    def leftovers(self, name: str, where: str, mid: str) -> tuple[list[str], list[str]]:
+        """What this run's migration left behind, and the failed movers' logs the
+        agents kept (diagnostics, not leftovers, while within their bound)."""
+        found, kept = [], []
+        for host, names in self.state_files().items():
+            stray, logs, over = run_files(names, mid)
+            found += [f"mover files on {host}: {stray[:3]}"] if stray else []
+            found += [f"{over} failed mover logs on {host} past the bound"] if over else []
+            kept += [f"{host}:{log}" for log in logs]
         for host in self.lab.hosts():
             found += self.agent_leftovers(host.name, name, where)
-            movers = host.ns.run(["pgrep", "-f", "flexmig-mover"], check=False).stdout.split()
+            # Its token file names the pair (and a resume's pair id starts with mid).
+            pgrep = ["pgrep", "-f", f"[f]lexmig-mover .*/mover-{mid}"]
+            movers = host.ns.run(pgrep, check=False).stdout.split()
             if movers:
                 found.append(f"{len(movers)} mover process(es) on {host.name}")
             if host.name != where:
@@ -416,7 +518,7 @@ class Campaign:
                 files = list(store_path(host).rglob(f"*{name}*"))
                 if files:
                     found.append(f"store files on {host.name}: {[p.name for p in files[:3]]}")
-        return found
+        return found, kept
 
     def agent_leftovers(self, host: str, name: str, where: str) -> list[str]:
         """A reservation left on the host the VM is not on; an agent that is not
@@ -427,6 +529,23 @@ class Campaign:
             restart_agent(self.lab.host(host))
             return [f"agent on {host} not answering after the run ({exc})"]
         return [f"reservation on {host}"] if reservation is not None and host != where else []
+
+
+def run_files(names: list[str], mid: str) -> tuple[list[str], list[str], int]:
+    """One host's state files judged for the run of migration ``mid``: (its
+    leftovers, its movers' kept failed logs, how many kept logs exceed the
+    agent's bound).  Files of other migrations are not this run's (a resume's
+    pair id starts with the migration's: recovery.resume_transport_id).
+
+    >>> run_files(["mover-ab12-send.log", "mig-ab120001.sock", "mover-ab12-recv.failed.log",
+    ...            "mover-ff00-send.ready", "links.json"], "ab12")
+    (['mig-ab120001.sock', 'mover-ab12-send.log'], ['mover-ab12-recv.failed.log'], 0)
+    """
+    ours = [n for n in names if n.startswith((f"mover-{mid}", f"mig-{mid}"))]
+    kept = [n for n in ours if n.endswith(agent_mover_files.FAILED_LOG)]
+    every_kept = [n for n in names if n.endswith(agent_mover_files.FAILED_LOG)]
+    over = max(0, len(every_kept) - agent_mover_files.KEPT_FAILED_LOGS)
+    return sorted(set(ours) - set(kept)), kept, over
 
 
 def store_path(host: Any) -> Path:
@@ -484,10 +603,17 @@ class CampaignStop(Exception):
 
 
 # -- the session -----------------------------------------------------------------
-def choose(results: dict[str, dict[str, Any]], patterns: list[str], runs: int) -> list[Cell]:
-    """The cells to run, fewest runs first (so sessions fill the matrix evenly)."""
+def choose(
+    results: dict[str, dict[str, Any]], patterns: list[str], runs: int, libvirt: str = ""
+) -> list[Cell]:
+    """The cells to run, fewest runs first (so sessions fill the matrix evenly);
+    not those known not to apply on hosts with this ``libvirt``."""
     todo = [c for c in cells() if any(fnmatch.fnmatch(c.key, p) for p in patterns)]
     todo = [c for c in todo if results.get(c.key, {}).get("runs", 0) < TARGET_RUNS]
+    todo = [
+        c for c in todo
+        if results.get(c.key, {}).get("not_applicable", {}).get(libvirt, 0) < NA_SKIP_AFTER
+    ]  # fmt: skip
     todo.sort(key=lambda c: (results.get(c.key, {}).get("runs", 0), c.key))
     return [c for c in todo for _ in range(runs)]
 
@@ -525,7 +651,7 @@ def main(argv: list[str] | None = None) -> int:
     libvirt_version = lab_libvirt(lab)
     status = 0
     try:
-        for cell in choose(results, args.cells or ["*"], args.runs):
+        for cell in choose(results, args.cells or ["*"], args.runs, libvirt_version):
             if time.monotonic() >= deadline:
                 break
             started = time.monotonic()

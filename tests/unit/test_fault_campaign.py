@@ -57,3 +57,59 @@ def test_runs_are_counted_by_the_lab_hosts_libvirt():
     fc.add_run(results, cell, _run(libvirt="11.3.0"))
     assert results[cell.key]["libvirt"] == {"unrecorded": 2, "9.0.0": 1, "11.3.0": 2}
     assert f"- {cell.key}: 11.3.0: 2, 9.0.0: 1, unrecorded: 2" in fc.render_table(results)
+
+
+def _cell(key):
+    return next(c for c in fc.cells() if c.key == key)
+
+
+def test_a_run_over_another_transport_is_not_applicable_not_counted():
+    cell = _cell("postcopy/mover/kill-src-mover/postcopy-switch")
+    why = fc.not_applicable(cell, {"transport": "qemu-tcp", "reason": "libvirt turns preempt on"})
+    assert why == "ran over qemu-tcp, not mover: libvirt turns preempt on"
+    results = {}
+    fc.add_run(results, cell, _run(libvirt="11.3.0", not_applicable=why, leftovers=["x"]))
+    row = results[cell.key]
+    assert row["runs"] == 0 and row["not_applicable"] == {"11.3.0": 1}
+    assert row["notes"] == ["(n/a run) x"]  # what it left is still shown
+    fc.add_run(results, cell, _run(libvirt="9.0.0", state="completed", transport="mover"))
+    assert (row["runs"], row["completed"], row["not_applicable"]) == (1, 1, {"11.3.0": 1})
+    table = fc.render_table(results)
+    assert f"| {cell.key} | 1 | 1 | 0 | 0 | 0 | 0 | 0 | 1 | 0 | 1 |" in table
+    assert f"- {cell.key}: libvirt 11.3.0, 1 run(s): {why}" in table
+
+
+def test_a_run_on_the_cells_transport_or_before_any_plan_applies():
+    cell = _cell("precopy/qemu-tcp/cut-2s/round")
+    assert fc.not_applicable(cell, {"transport": "qemu-tcp", "reason": "asked"}) is None
+    assert fc.not_applicable(cell, None) is None  # refused or failed while planning
+
+
+def test_cells_known_not_to_apply_on_this_libvirt_are_not_chosen_again():
+    cell = _cell("postcopy/mover/cut-2s/round")
+    results = {cell.key: {"runs": 0, "not_applicable": {"11.3.0": fc.NA_SKIP_AFTER}}}
+    assert cell not in fc.choose(results, ["postcopy/mover/*"], 1, "11.3.0")
+    assert cell in fc.choose(results, ["postcopy/mover/*"], 1, "9.0.0")
+
+
+def test_leftovers_are_only_the_files_of_the_runs_own_migration():
+    names = [
+        "mover-1fe6a6c26d3a-send.ready",  # an earlier run's: not this one's to report
+        "mover-1fe6a6c26d3a-send.log",
+        "mover-ab12cd34ef56-recv.failed.log",  # kept by the agent: a diagnostic
+        "mover-ab12cd34ef560001-send.token",  # a resume's pair of this migration
+        "mig-ab12cd34ef56.sock",
+        "split-fcfile.json",
+    ]
+    stray, kept, over = fc.run_files(names, "ab12cd34ef56")
+    assert stray == ["mig-ab12cd34ef56.sock", "mover-ab12cd34ef560001-send.token"]
+    assert kept == ["mover-ab12cd34ef56-recv.failed.log"]
+    assert over == 0
+    assert fc.run_files(names, "0123456789ab") == ([], [], 0)
+
+
+def test_kept_logs_past_the_agents_bound_are_a_leftover():
+    logs = [
+        f"mover-{n:012x}-send.failed.log" for n in range(fc.agent_mover_files.KEPT_FAILED_LOGS + 2)
+    ]
+    assert fc.run_files(logs, "ffffffffffff")[2] == 2

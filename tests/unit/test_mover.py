@@ -181,12 +181,54 @@ def test_parallel_connections_each_ride_their_own_mover_pair(mover, tmp_path):
         receivers.kill()
         server.join(60)
     assert sorted(received) == sorted(payloads)  # each connection intact, none merged
-    # Only the logs stay: tokens, ready and stats files are gone on both ends.
-    left = sorted(p.suffix for d in (tmp_path, dest_dir) for p in d.glob("mover-*"))
-    assert set(left) == {".log"}, left
+    # Movers that ended well leave nothing: tokens, ready, stats and logs gone on both ends
+    # (the sockets are their callers', removed with the pair: test_mover_pairs).
+    left = sorted(p.name for d in (tmp_path, dest_dir) for p in d.glob("mover-*"))
+    assert left == [], left
     assert sent["streams"] == got["streams"] == streams
     assert got["bytes"] == sum(len(p) for p in payloads)
     assert sorted(got["stream_bytes"]) == sorted(len(p) for p in payloads)
+
+
+def test_killed_movers_keep_only_their_log_marked_failed(mover, tmp_path):
+    receivers, ports = movers.start_receivers(str(tmp_path), "127.0.0.1", "abc124", TOKEN, 2)
+    receivers.kill()  # a migration aborted while they waited for their senders
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["mover-abc124-recv.failed.log", "mover-abc124-recv1.failed.log"], left
+
+
+def test_a_sender_that_cannot_reach_its_receiver_leaves_only_its_log(mover, tmp_path):
+    port = movers.PORT_RANGE[-1]  # nothing listens there in this test
+    with pytest.raises(exceptions.BackendError, match="did not get ready"):
+        movers.start_senders(str(tmp_path), "127.0.0.1", "127.0.0.1", [port], "abc125", TOKEN)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["mover-abc125-send.failed.log"], left
+
+
+class _Member:
+    def __init__(self, argv):
+        self.proc = subprocess.Popen(argv)
+        self.killed = False
+
+    def kill(self):
+        self.killed = self.proc.poll() is None
+        self.proc.kill()
+        self.proc.wait()
+
+
+def test_movers_nobody_comes_back_for_are_reaped_after_a_grace(tmp_path):
+    ended, running = _Member(["true"]), _Member(["sleep", "60"])
+    ended.proc.wait()
+    sets = {"aaa111": movers.MoverSet([ended]), "bbb222": movers.MoverSet([running])}
+    (tmp_path / "mig-aaa111.sock").write_text("")
+    now = sets["aaa111"].started
+    assert movers.reap_unclaimed(sets, str(tmp_path), now, grace_s=60, max_run_s=600) == []
+    # Ended 61 s ago and never finished: its migration's agent is gone.
+    assert movers.reap_unclaimed(sets, str(tmp_path), now + 61, 60, 600) == ["aaa111"]
+    assert list(sets) == ["bbb222"] and not (tmp_path / "mig-aaa111.sock").exists()
+    assert not running.killed
+    assert movers.reap_unclaimed(sets, str(tmp_path), now + 601, 60, 600) == ["bbb222"]
+    assert running.killed and sets == {}
 
 
 def test_combined_statistics_sum_counters_and_take_the_slowest_stream():
