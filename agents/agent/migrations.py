@@ -146,6 +146,11 @@ class MigrationService:
         self.records: dict[str, MigrationRecord] = {}
         self.links_file = Path(conf.agent.state_dir) / "links.json"
         self.links = self._load_links()
+        # Plans run in parallel (agent_load's 100 at once): one writer of the
+        # estimates at a time (two saves racing on the same temporary file failed a
+        # plan with FileNotFoundError), and one fabric probe at a time, outside it.
+        self.links_lock = threading.Lock()
+        self._probe_lock = threading.Lock()
         self.lock = threading.Lock()
         # Reads QEMU's map of guest RAM; the privileged daemon's by default.
         self.ram_mapping: facts.RamMappingReader = privileged.qemu_ram_mapping
@@ -162,6 +167,7 @@ class MigrationService:
             return {}
 
     def _save_links(self) -> None:
+        """Write the estimates (the caller holds ``links_lock``)."""
         self.links_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.links_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({p: dataclasses.asdict(v) for p, v in self.links.items()}))
@@ -201,13 +207,30 @@ class MigrationService:
         )
 
     def link(self, dest: Destination) -> LinkEstimate:
-        """This host's estimate for ``dest``, with a fabric probe no older than 10 min."""
-        link = self.links.setdefault(dest.agent.address, LinkEstimate())
-        if time.time() - link.fabric_measured_at > PROBE_MAX_AGE_S:
-            link.fabric_bps = dest.agent.probe_bandwidth(max(1, self.options.bandwidth_probe_mib))
-            link.fabric_measured_at = time.time()
+        """This host's estimate for ``dest``, with a fabric probe no older than 10 min.
+
+        Plans asked together wait for one probe and share it (two probes at once
+        would each measure half the path)."""
+        with self._probe_lock:
+            with self.links_lock:
+                link = self.links.setdefault(dest.agent.address, LinkEstimate())
+                stale = time.time() - link.fabric_measured_at > PROBE_MAX_AGE_S
+            if stale:
+                fabric_bps = dest.agent.probe_bandwidth(max(1, self.options.bandwidth_probe_mib))
+                with self.links_lock:
+                    link.fabric_bps, link.fabric_measured_at = fabric_bps, time.time()
+                    self._save_links()
+            return link
+
+    def links_snapshot(self) -> dict[str, dict[str, Any]]:
+        """Every destination's estimate as plain values (the facts' ``links``)."""
+        with self.links_lock:
+            return {peer: dataclasses.asdict(link) for peer, link in self.links.items()}
+
+    def _learn(self, dest: Destination, stats: dict[str, int], stream: bool) -> None:
+        with self.links_lock:
+            self.links.setdefault(dest.agent.address, LinkEstimate()).learn(stats, stream)
             self._save_links()
-        return link
 
     # -- execution ------------------------------------------------------------
     def start(self, request: MigrationRequest, dest: Destination) -> MigrationRecord:
@@ -411,8 +434,7 @@ class MigrationService:
         elapsed_ms = stats.get("time_elapsed", int(result.elapsed_s * 1000))
         moved = stats.get("memory_processed", 0)
         if teaches_the_link(plan.mode, result.switched_to_postcopy):
-            self.link(dest).learn(stats, stream=not record.request.bandwidth_mib)
-            self._save_links()
+            self._learn(dest, stats, stream=not record.request.bandwidth_mib)
         pred = plan.decision.prediction
         return {
             "mode": plan.mode,

@@ -156,7 +156,7 @@ class Agent:
             self.conf.agent.memory_budget_mb,
             self.conf.agent.store_dir,
             self._memory_cgroup(),
-            {peer: dataclasses.asdict(link) for peer, link in self.migrations.links.items()},
+            self.migrations.links_snapshot(),
             self._probe_store(),
         ) | {
             "rdma_provider": self.migrations.rdma,

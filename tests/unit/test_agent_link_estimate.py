@@ -1,7 +1,14 @@
 """What an agent learns about a destination from its completed precopy jobs."""
 
+import concurrent.futures
+import json
+import threading
+import time
+import types
+
 import pytest
 
+from agents.agent import migrations
 from agents.agent.migrations import LinkEstimate
 
 MIB = 2**20
@@ -47,3 +54,39 @@ def test_a_job_without_a_rate_teaches_nothing():
     link = LinkEstimate()
     link.learn({"memory_bps": 0, "time_elapsed": 1000, "downtime": 30})
     assert link == LinkEstimate()
+
+
+class _ProbedAgent:
+    def __init__(self):
+        self.address, self.probes = "10.250.0.2", 0
+
+    def probe_bandwidth(self, mib):
+        self.probes += 1
+        time.sleep(0.05)  # a probe takes a while: plans asked meanwhile pile up
+        return 100 * MIB
+
+
+def _service(tmp_path):
+    service = object.__new__(migrations.MigrationService)
+    service.links_file = tmp_path / "links.json"
+    service.links = {}
+    service.links_lock = threading.Lock()
+    service._probe_lock = threading.Lock()
+    service.options = types.SimpleNamespace(bandwidth_probe_mib=1)
+    return service
+
+
+def test_plans_asked_together_share_one_probe_and_never_race_on_the_file(tmp_path):
+    service = _service(tmp_path)
+    dest = migrations.Destination(agent=_ProbedAgent(), libvirt_uri="", migration_uri="")
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        links = list(pool.map(lambda _: service.link(dest), range(64)))
+        learnt = [
+            pool.submit(service._learn, dest, job(100, 100, 2000, 50), False) for _ in range(64)
+        ]
+        for future in learnt:
+            future.result()  # a racing save raised FileNotFoundError here
+    assert dest.agent.probes == 1 and all(link is links[0] for link in links)
+    saved = json.loads(service.links_file.read_text())
+    assert saved["10.250.0.2"]["timings_learned"] == 64
+    assert service.links_snapshot() == saved

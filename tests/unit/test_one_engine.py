@@ -10,6 +10,7 @@ and the agents are small fakes here: this is the adapters' wiring, not I/O.
 from __future__ import annotations
 
 import dataclasses
+import threading
 import types
 
 import pytest
@@ -138,6 +139,7 @@ def _agent_plan(guest: Guest, dest_free_mib: int, store, monkeypatch, dest_facts
     service = migrations.MigrationService.__new__(migrations.MigrationService)
     service.host, service.conf, service.options, service.links = "A", conf, OPTS, {}
     service.links_file = store / "state" / "links.json"
+    service.links_lock, service._probe_lock = threading.Lock(), threading.Lock()
     service.rdma = False
     service.samples = migrations.inventory.SampleCache()
     memory_file = str(store / "libvirt" / "qemu" / "vm1.ram") if guest.file_backed else None
