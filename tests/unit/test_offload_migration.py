@@ -253,12 +253,18 @@ def test_kept_counters_of_a_vm_flow_not_seen_again_move_with_the_vm():
     assert [r.match["in_port"] for r in shown] == [9]
 
 
-def test_a_kept_flow_seen_again_during_the_migration_leaves_with_its_counters():
-    src, dst = two_hosts()
+def departing_with_kept(packets):
+    """A source whose VM departs with one kept flow of ``packets`` (not seen again)."""
+    src, _ = two_hosts()
     quiet = flow(1)
-    src.control.flows.restore(quiet, onloaded=FlowCounters(30, 30 * SIZE))
+    src.control.flows.restore(quiet, onloaded=FlowCounters(packets, packets * SIZE))
     src_mig = migration.FlowMigrations(src.control)
     src_mig.depart("m1", ["tap0"], "hostB")
+    return src, src_mig, quiet
+
+
+def test_a_kept_flow_seen_again_during_the_migration_leaves_with_its_counters():
+    src, src_mig, quiet = departing_with_kept(30)
     src.sent[quiet] = 30
     src.start(quiet, "phy0")  # the VM still runs on the source: the flow is back
     src.tick({quiet: 100})
@@ -269,11 +275,7 @@ def test_a_kept_flow_seen_again_during_the_migration_leaves_with_its_counters():
 
 
 def test_a_failed_migration_leaves_kept_counters_where_they_were():
-    src, _ = two_hosts()
-    quiet = flow(1)
-    src.control.flows.restore(quiet, onloaded=FlowCounters(7, 7 * SIZE))
-    src_mig = migration.FlowMigrations(src.control)
-    src_mig.depart("m1", ["tap0"], "hostB")
+    src, src_mig, quiet = departing_with_kept(7)
     src_mig.restore("m1", "libvirt failed")
     assert src.control.flows.kept_entering_by(["tap0"]) == {
         quiet: (FlowCounters(7, 7 * SIZE), FlowCounters())
