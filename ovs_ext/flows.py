@@ -265,10 +265,15 @@ class FlowManager:
         for match in self._kept_ids:
             if match.in_port not in wanted or match in self._flows:
                 continue
-            ruled, onloaded, offloaded = self._restored.get(match, (FlowCounters(),) * 3)
-            if (ruled + onloaded + offloaded).packets:
-                kept[match] = (ruled + onloaded, offloaded)
+            onloaded, offloaded = self._kept_counters(match)
+            if (onloaded + offloaded).packets:
+                kept[match] = (onloaded, offloaded)
         return kept
+
+    def _kept_counters(self, match: FlowMatch) -> tuple[FlowCounters, FlowCounters]:
+        """A kept flow's (onloaded, offloaded) counters: its rules' and the rest."""
+        ruled, onloaded, offloaded = self._restored.get(match, (FlowCounters(),) * 3)
+        return ruled + onloaded, offloaded
 
     def drop_kept(self, match: FlowMatch) -> None:
         """Forget a kept flow's counters (expired, or gone with its VM)."""
@@ -411,8 +416,8 @@ class FlowManager:
         records: list[FlowRecord] = []
         for match, flow_id in sorted(self._kept_ids.items(), key=lambda item: item[1]):
             in_port = ofport_of(match.in_port)
-            ruled, onloaded, offloaded = self._restored.get(match, (FlowCounters(),) * 3)
-            total = ruled + onloaded + offloaded
+            onloaded, offloaded = self._kept_counters(match)
+            total = onloaded + offloaded
             if in_port is None or match in self._flows or not total.packets:
                 continue
             fields = openflow_match(match, in_port)
