@@ -317,15 +317,17 @@ class ResidencyKeeper(threading.Thread):
         # Without cachestat (Linux < 6.5) the page flags of a sample say what was written.
         fds += [-1 if state.exact else os.open("/proc/kpageflags", os.O_RDONLY)]
         self.stats["written_pages_from"] = "cachestat" if state.exact else "kpageflags sample"
+        resumed = False
         try:
             while not self.stop_event.wait(KEEPER_INTERVAL_S):
                 if os.fstat(fds[0]).st_nlink == 0:
                     self.stats["state"] = "VM left"
                     return
-                if self.stats["state"] == "keeping" and self._guest_runs_here():
+                if not resumed and self._guest_runs_here():
                     # No final round to come: the guest gets its budget but a margin.
-                    marks = _Marks.of(res["budget_bytes"], residency.resumed_headroom(
-                        res["budget_bytes"]))  # fmt: skip
+                    resumed = True
+                    headroom = residency.resumed_headroom(res["budget_bytes"])
+                    marks = _Marks.of(res["budget_bytes"], headroom)
                     self.stats |= {"state": "keeping, the guest running here"}
                     self.stats |= {"target_bytes": marks.target, "low_bytes": marks.low}
                 self._step(ram, fds, marks, state)
