@@ -126,8 +126,9 @@ def sweep(state_dir: Path, proc: Path = Path("/proc")) -> list[Orphan]:
     for base in bases - set(live):
         # A stats file: the mover ended well but its agent died before reading it.
         retire(base, ok=base.with_suffix(".stats").exists())
+    live_pairs = {pair_of(b) for b in live}
     for sock in state_dir.glob("mig-*.sock"):
-        if sock.name[len("mig-") : -len(".sock")] not in {pair_of(b) for b in live}:
+        if sock.name[len("mig-") : -len(".sock")] not in live_pairs:
             sock.unlink(missing_ok=True)
     prune_failed_logs(state_dir)
     now = time.monotonic()
