@@ -168,17 +168,8 @@ def add_run(results: dict[str, dict[str, Any]], cell: Cell, run: dict[str, Any])
         add_not_applicable(results, cell, run)
         return
     row = results.setdefault(cell.key, {"runs": 0, "notes": []})
-    for key in (
-        "completed",
-        "failed",
-        "vm_lost",
-        "bad_pages",
-        "lost_pages",
-        "leftovers",
-        "next_ok",
-        "recovered",
-    ):
-        row.setdefault(key, 0)  # fmt: skip
+    for key in COUNTED:
+        row.setdefault(key, 0)
     # Which libvirt the lab hosts ran: postcopy recovery depends on it (FINDINGS).
     by_libvirt = row.setdefault("libvirt", {"unrecorded": row["runs"]} if row["runs"] else {})
     version = run.get("libvirt") or "unrecorded"
