@@ -115,6 +115,20 @@ def candidate_from_agent(host: HostEndpoint) -> drain.Candidate:
         return drain.Candidate(host.name, 0, 0, refusal=f"its agent did not answer: {exc}")
 
 
+def timings_learned(link: dict[str, Any]) -> bool:
+    """Whether the agent learnt this link's setup and switchover (its
+    ``LinkEstimate``): agents learn them under a bandwidth cap too, without the
+    rate, so a capped host's seconds of setup count; an agent that predates the
+    count (or its saved estimate) learnt them only with the rate.
+
+    >>> timings_learned({"stream_bps": None, "timings_learned": 2})
+    True
+    >>> timings_learned({"stream_bps": 100.0}), timings_learned({"stream_bps": None})
+    (True, False)
+    """
+    return bool(link.get("timings_learned")) or bool(link.get("stream_bps"))
+
+
 def fabric_from(
     links: dict[str, dict[str, Any]], initial_stream_bps: float, link_mib: int = 0
 ) -> drain.Fabric:
@@ -122,7 +136,8 @@ def fabric_from(
 
     The link is the slowest probed path (all streams leave through the
     source's uplink); one stream's rate is what earlier migrations achieved,
-    else the agent's configured first guess.
+    else the agent's configured first guess.  Setup and switchover are the
+    mean of the links whose timings were learnt, with or without their rate.
 
     >>> links = {"b": {"fabric_bps": 200 * MIB, "stream_bps": None, "setup_s": 0,
     ...                "switchover_s": 0.05}}
@@ -136,8 +151,9 @@ def fabric_from(
     link = link_mib * MIB if link_mib else min(probed, default=initial_stream_bps)
     learned = [v["stream_bps"] for v in links.values() if v.get("stream_bps")]
     stream = max(learned, default=initial_stream_bps)
-    setups = [v["setup_s"] for v in links.values() if v.get("stream_bps")]
-    switchovers = [v["switchover_s"] for v in links.values() if v.get("stream_bps")]
+    timed = [v for v in links.values() if timings_learned(v)]
+    setups = [v["setup_s"] for v in timed]
+    switchovers = [v["switchover_s"] for v in timed]
     return drain.Fabric(
         link_bps=link,
         stream_bps=min(stream, link),
