@@ -10,7 +10,8 @@ hand back the agent's endpoint, a migration-scoped credential and those facts
 in the migrate data (``FlexMigLiveMigrateData``).
 
 Destination, movers: where the ``[migration] transport`` resolves to the
-mover, the local agent starts receiving movers and the offer names them.
+mover, the local agent starts receiving movers and the offer names them
+(``nova_driver.mover_streams``: both sides' movers, through the agents).
 
 Source, ``_live_migration``: read the VM's facts, probe the fabric through the
 destination agent and let the engine plan (``nova_driver.planning`` over
@@ -39,7 +40,7 @@ from nova.compute import utils as compute_utils
 from nova.virt.libvirt import driver as libvirt_driver
 from oslo_log import log as logging
 
-from agents.agent import auth, movers
+from agents.agent import auth
 from agents.agent.client import AgentClient
 from flexmig import exceptions
 from flexmig.migration import knobs
@@ -47,15 +48,9 @@ from flexmig.migration import options as migration_options
 from flexmig.migration.libvirt_job import JobConfig
 from flexmig.migration.planner import Plan
 from flexmig.policy.decision import split_budget
-from flexmig.policy.transport import choose_transport
 from nova_driver import conf as flexmig_conf
-from nova_driver import monitor, planning, postcopy
-from nova_driver.migrate_data import (
-    DestinationOffer,
-    FlexMigLiveMigrateData,
-    MoverOffer,
-    offer_of,
-)
+from nova_driver import monitor, mover_streams, planning, postcopy
+from nova_driver.migrate_data import DestinationOffer, FlexMigLiveMigrateData, offer_of
 
 LOG = logging.getLogger(__name__)
 CONF = nova_conf.CONF
@@ -152,6 +147,12 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             ca_file=CONF.flexmig.agent_ca_file,
         )
 
+    def _destination_agent(self, offer: DestinationOffer) -> AgentClient:
+        """The destination's agent, with the credential it issued for this migration."""
+        return planning.destination_agent(
+            offer, CONF.flexmig.agent_timeout, CONF.flexmig.agent_ca_file
+        )
+
     # -- destination ----------------------------------------------------------
     def pre_live_migration(
         self,
@@ -202,7 +203,13 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         if reserved is None and CONF.libvirt.file_backed_memory:
             self._writeback(instance, active=True)
         migration_id = data.migration.uuid if "migration" in data else instance.uuid
-        mover = self._start_receivers(agent, facts, migration_id)
+        mover = mover_streams.start_receivers(
+            agent,
+            facts,
+            migration_id,
+            migration_options.read(CONF),
+            CONF.libvirt.live_migration_parallel_connections,
+        )
         scope, key = planning.scoped_credential(
             self._flexmig_key,
             migration_id,
@@ -218,29 +225,6 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             store_free_bytes=int(facts["store_free_bytes"]),
             split_budget_bytes=reserved,
             mover=mover,
-        )
-
-    def _start_receivers(
-        self, agent: AgentClient, facts: dict[str, Any], migration_id: str
-    ) -> MoverOffer | None:
-        """Receiving movers where the transport resolves to them; their offer."""
-        opts = migration_options.read(CONF)
-        choice = choose_transport(
-            opts.transport, facts.get("rdma_provider") is True, opts.tcp_fabric_transport
-        )
-        if choice.transport != "mover":
-            return None
-        mid, salt = auth.mover_id(migration_id), movers.new_token_salt()
-        # QEMU's multifd opens the main connection and one per channel.
-        parallel = CONF.libvirt.live_migration_parallel_connections
-        streams = parallel + 1 if parallel > 1 else 1
-        body = {"migration_id": mid, "token_salt": salt, "streams": streams}
-        reply = agent.post("/v1/mover/receive", body)
-        return MoverOffer(
-            migration_id=mid,
-            token_salt=salt,
-            address=str(reply["address"]),
-            ports=tuple(int(port) for port in reply["ports"]),
         )
 
     def rollback_live_migration_at_destination(
@@ -326,7 +310,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         try:
             plan = self._plan(instance, offer)
             offer = self._drop_unused_receivers(instance, offer, plan, migrate_data)
-            uri = self._start_senders(plan, offer)
+            uri = mover_streams.start_senders(self._local_agent(), plan, offer)
         except NOT_MIGRATABLE as exc:
             LOG.error("FlexMig: %s; the VM stays on this host", exc, instance=instance)
             self._record_event(context, instance, "flexmig_refused")
@@ -378,21 +362,6 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             _libvirt().libvirtError,
         )
 
-    def _start_senders(self, plan: Plan, offer: DestinationOffer) -> str | None:
-        """The local agent's sending movers towards the offer's receivers: QEMU's URI."""
-        if plan.transport.transport != "mover" or offer.mover is None:
-            return None
-        # Parallel connections carry precopy only: a plan that dropped them
-        # uses the first receiver; the destination's others are aborted at the end.
-        streams = plan.parallel + 1 if plan.parallel > 1 else 1
-        body = {
-            "migration_id": offer.mover.migration_id,
-            "token_salt": offer.mover.token_salt,
-            "peer": offer.mover.address,
-            "ports": list(offer.mover.ports[:streams]),
-        }
-        return str(self._local_agent().post("/v1/mover/send", body)["uri"])
-
     def _drop_unused_receivers(
         self, instance: Any, offer: DestinationOffer, plan: Plan, migrate_data: Any
     ) -> DestinationOffer:
@@ -405,13 +374,10 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         receivers that never saw a connection and a postcopy recovery does not
         reopen a pair the stream never used.
         """
-        if offer.mover is None or plan.transport.transport == "mover":
+        if not mover_streams.unused(offer, plan):
             return offer
-        dest_agent = planning.destination_agent(
-            offer, CONF.flexmig.agent_timeout, CONF.flexmig.agent_ca_file
-        )
         try:
-            dest_agent.post(
+            self._destination_agent(offer).post(
                 "/v1/mover/finish", {"migration_id": offer.mover.migration_id, "abort": True}
             )
         except exceptions.FlexMigError as exc:
@@ -423,33 +389,8 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         """Both sides' movers once the job ended: statistics, or killed after a failure."""
         if offer is None or offer.mover is None:
             return
-        body: dict[str, Any] = {"migration_id": offer.mover.migration_id}
-        if not ok:
-            body["abort"] = True
-        agents = (
-            ("source", self._local_agent()),
-            (
-                "destination",
-                planning.destination_agent(
-                    offer, CONF.flexmig.agent_timeout, CONF.flexmig.agent_ca_file
-                ),
-            ),
-        )
-        for side, agent in agents:
-            try:
-                reply = agent.post("/v1/mover/finish", body, timeout=40)
-            except exceptions.FlexMigError as exc:
-                LOG.warning("FlexMig: %s movers: %s", side, exc)
-                continue
-            if "stats" in reply:
-                stats = reply["stats"]
-                LOG.info(
-                    "FlexMig: %s movers moved %s bytes in %s stream(s) at %s MiB/s",
-                    side,
-                    stats.get("bytes"),
-                    stats.get("streams"),
-                    stats.get("mib_per_s"),
-                )
+        sides = (("source", self._local_agent()), ("destination", self._destination_agent(offer)))
+        mover_streams.finish(sides, offer.mover, ok)
 
     # -- offloaded flows follow the VM (through the agents: agents/agent/offload_hook.py)
     def _offload_depart(self, instance: Any, offer: DestinationOffer, migrate_data: Any) -> None:
@@ -457,9 +398,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         offloaded flows and hands their records to the destination's agent."""
         migration = getattr(migrate_data, "migration", None)
         try:
-            facts = planning.destination_agent(
-                offer, CONF.flexmig.agent_timeout, CONF.flexmig.agent_ca_file
-            ).get("/v1/facts")
+            facts = self._destination_agent(offer).get("/v1/facts")
             ends = {
                 "migration_id": str(getattr(migration, "uuid", None) or instance.uuid),
                 "dest": planning.peer_endpoint(offer, facts),
@@ -637,11 +576,8 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         connect = migrate_data.target_connect_addr if is_set("target_connect_addr") else None
         pairs = None
         if offer is not None and offer.mover is not None:
-            dest_agent = planning.destination_agent(
-                offer, CONF.flexmig.agent_timeout, CONF.flexmig.agent_ca_file
-            )
             pairs = postcopy.AgentMoverPairs(
-                self._local_agent(), dest_agent, offer.mover.migration_id
+                self._local_agent(), self._destination_agent(offer), offer.mover.migration_id
             )
         planned = self._flexmig_guests.get(instance.uuid)
         config = JobConfig(
@@ -695,10 +631,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         # clean (no shared instance path): release the reservation from here,
         # with the credential the destination issued for this VM's migration.
         try:
-            agent = planning.destination_agent(
-                offer, CONF.flexmig.agent_timeout, CONF.flexmig.agent_ca_file
-            )
-            agent.post("/v1/split/cleanup", {"vm": instance.name})
+            self._destination_agent(offer).post("/v1/split/cleanup", {"vm": instance.name})
             LOG.info("FlexMig: released the destination's split reservation", instance=instance)
         except exceptions.FlexMigError as exc:
             LOG.warning("FlexMig: could not release the destination's split reservation: %s", exc)

@@ -106,3 +106,62 @@ def test_receivers_the_plan_does_not_use_are_aborted_and_leave_the_offer(
         assert kept.mover is None and migrate_data.offer_of(data).mover is None
     else:
         assert dest.posts == [] and kept == offer == migrate_data.offer_of(data)
+
+
+@pytest.mark.parametrize(
+    ("carried_by", "parallel", "ports"),
+    [("mover", 0, [7471]), ("mover", 2, [7471, 7472, 7473]), ("qemu-tcp", 2, None)],
+)
+def test_the_senders_use_one_receiver_per_connection_qemu_opens(carried_by, parallel, ports):
+    # The destination offers receivers for Nova's parallel connections; a plan
+    # that drops them (postcopy) sends over the first one only.
+    import types
+
+    from flexmig.policy.transport import TransportChoice
+    from nova_driver import mover_streams
+
+    class Source(_Receivers):
+        def post(self, path: str, body: dict, **kw) -> dict:
+            super().post(path, body)
+            return {"uri": "tcp:127.0.0.1:7000"}
+
+    offer = migrate_data.DestinationOffer(
+        "10.250.0.12", 9797, "s", "k", 1, 1, None,
+        mover=migrate_data.MoverOffer("m1", "salt", "10.250.0.12", (7471, 7472, 7473, 7474)),
+    )  # fmt: skip
+    plan = types.SimpleNamespace(transport=TransportChoice(carried_by, "why"), parallel=parallel)
+    source = Source()
+    uri = mover_streams.start_senders(source, plan, offer)  # type: ignore[arg-type]
+    if ports is None:
+        assert uri is None and source.posts == []
+        return
+    body = {"migration_id": "m1", "token_salt": "salt", "peer": "10.250.0.12", "ports": ports}
+    assert uri == "tcp:127.0.0.1:7000" and source.posts == [("/v1/mover/send", body)]
+
+
+@pytest.mark.parametrize(
+    ("transport", "rdma", "streams"),
+    [("mover", False, 5), ("auto", True, 5), ("auto", False, None)],
+)
+def test_the_destination_receives_where_the_transport_resolves_to_the_mover(
+    transport, rdma, streams
+):
+    # QEMU's multifd opens its main connection and one per channel (4 here).
+    from flexmig.migration.options import EngineOptions
+    from nova_driver import mover_streams
+
+    class Destination(_Receivers):
+        def post(self, path: str, body: dict, **kw) -> dict:
+            super().post(path, body)
+            return {"address": "10.250.0.12", "ports": [7471 + i for i in range(body["streams"])]}
+
+    dest = Destination()
+    opts = EngineOptions(transport=transport)
+    facts = {"rdma_provider": rdma}
+    offer = mover_streams.start_receivers(dest, facts, "m1", opts, 4)  # type: ignore[arg-type]
+    if streams is None:
+        assert offer is None and dest.posts == []
+        return
+    assert [(path, body["streams"]) for path, body in dest.posts] == [("/v1/mover/receive", 5)]
+    assert offer.ports == (7471, 7472, 7473, 7474, 7475) and offer.address == "10.250.0.12"
+    assert offer.token_salt == dest.posts[0][1]["token_salt"]
