@@ -76,7 +76,14 @@ FAULTS = (
     "fill-dst-store",
 )  # fmt: skip
 POINTS = ("round", "postcopy-switch", "switchover")
+# What each injection point waits for (a timeout names it).
+POINT_WAITS = {
+    "round": "precopy to move bytes (libvirt's memory_processed > 0)",
+    "postcopy-switch": "the switch to postcopy",
+    "switchover": "precopy to have under a tenth of memory left",
+}
 PHASE_TIMEOUT_S = 120.0
+ENDED_FIRST = "ended before the fault"
 SETTLE_TIMEOUT_S = 180.0
 AGENT_STATE_DIR = "/run/flexmig"  # the agents' state_dir inside a lab host
 # Each host's store is a filesystem of its own (as a VM-dedicated NVMe store
@@ -146,6 +153,30 @@ def not_applicable(cell: Cell, used: dict[str, Any] | None) -> str | None:
     if not used or used.get("transport") in (None, cell.transport):
         return None
     return f"ran over {used['transport']}, not {cell.transport}: {used.get('reason', '')}"
+
+
+def point_reached(record: dict[str, Any], point: str) -> bool:
+    """Whether the migration (the source agent's record) reached ``point``, or ended.
+
+    "round" waits for bytes moved, not the phase alone: the phase says precopy
+    from libvirt's first job statistics, before QEMU has connected to its
+    transport, and a mover killed then only refused QEMU's connection.
+
+    >>> running = {"state": "running", "phase": "precopy", "progress": {"memory_processed": 0}}
+    >>> point_reached(running, "round"), point_reached(running | {"state": "failed"}, "round")
+    (False, True)
+    >>> point_reached(running | {"progress": {"memory_processed": 4096}}, "round")
+    True
+    """
+    if record["state"] not in ("planning", "running"):
+        return True
+    progress = record.get("progress") or {}
+    if point == "round":
+        return record["phase"] == "precopy" and progress.get("memory_processed", 0) > 0
+    if point == "postcopy-switch":
+        return record["phase"] == "postcopy"
+    total = progress.get("memory_total") or 0
+    return bool(total) and progress.get("memory_remaining", total) < total // 10
 
 
 def add_not_applicable(results: dict[str, dict[str, Any]], cell: Cell, run: dict[str, Any]) -> None:
@@ -313,10 +344,11 @@ class Campaign:
         except exceptions.FlexMigError as exc:
             self.budget(dst, FULL_BUDGET_MB)
             return self.check(name, {"state": "refused", "error": str(exc)}, src, dst, "", False)
+        missed = ENDED_FIRST
         try:
             at_point = self.wait_point(agent, mid, cell.point)
-        except exceptions.Timeout:
-            at_point = {}
+        except exceptions.Timeout as exc:
+            at_point, missed = {}, f"not injected: {exc}"
         # The planner may have chosen another transport (postcopy never rides
         # the mover where libvirt turns preempt on): then the fault would test
         # nothing of the cell; the run still checks the VM and its leftovers.
@@ -328,7 +360,7 @@ class Campaign:
             repair()
         self.budget(dst, FULL_BUDGET_MB)
         # (An n/a run's fault was left out on purpose: not "ended before the fault".)
-        run = self.check(name, record, src, dst, mid, injected or bool(why_not))
+        run = self.check(name, record, src, dst, mid, injected or bool(why_not), missed)
         used = record.get("transport") or at_point.get("transport") or {}
         run["transport"] = used.get("transport")
         run["not_applicable"] = why_not or not_applicable(cell, used)
@@ -339,22 +371,10 @@ class Campaign:
 
         def reached() -> dict[str, Any] | None:
             record = agent.get(f"/v1/migrations/{mid}")
-            if record["state"] not in ("planning", "running"):
-                return record
-            progress = record.get("progress") or {}
-            if point == "round" and record["phase"] == "precopy":
-                return record
-            if point == "postcopy-switch" and record["phase"] == "postcopy":
-                return record
-            total = progress.get("memory_total") or 0
-            left = progress.get("memory_remaining", total)
-            if point == "switchover" and total and left < total // 10:
-                return record
-            return None
+            return record if point_reached(record, point) else None
 
-        record = processutil.wait_for(
-            reached, timeout=PHASE_TIMEOUT_S, interval=0.1, what=f"point {point}"
-        )
+        what = f"point {point}: {POINT_WAITS[point]}"
+        record = processutil.wait_for(reached, timeout=PHASE_TIMEOUT_S, interval=0.1, what=what)
         if point == "round":
             time.sleep(random.uniform(0.2, 2.0))  # somewhere inside a round
         return record
@@ -400,11 +420,11 @@ class Campaign:
             return {"state": "unknown", "error": f"not followed: {exc}", "summary": {}}
 
     def check(self, name: str, record: dict[str, Any], src: str, dst: str, mid: str,
-              injected: bool) -> dict[str, Any]:  # fmt: skip
+              injected: bool, missed: str = ENDED_FIRST) -> dict[str, Any]:  # fmt: skip
         running = self.settled(name)
         run: dict[str, Any] = {
             "state": record.get("state"),
-            "error": record.get("error") or ("" if injected else "ended before the fault"),
+            "error": record.get("error") or ("" if injected else missed),
             "hosts": len(running),
             "bad": 0,
             "lost": 0,

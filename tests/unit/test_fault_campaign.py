@@ -1,5 +1,7 @@
 """The fault campaign's bookkeeping: which cells exist, how runs accumulate."""
 
+import pytest
+
 from tests.bench import fault_campaign as fc
 
 
@@ -113,3 +115,48 @@ def test_kept_logs_past_the_agents_bound_are_a_leftover():
         f"mover-{n:012x}-send.failed.log" for n in range(fc.agent_mover_files.KEPT_FAILED_LOGS + 2)
     ]
     assert fc.run_files(logs, "ffffffffffff")[2] == 2
+
+
+def _record(state="running", phase="precopy", **progress):
+    return {"state": state, "phase": phase, "progress": progress}
+
+
+def test_a_round_is_reached_once_precopy_has_moved_bytes_not_at_its_first_statistics():
+    # Issue 18: kill-src-mover at "round" fired while QEMU had not yet connected
+    # to the mover ("Connection refused"), testing no mid-round kill.
+    assert not fc.point_reached(_record(phase="planning"), "round")
+    assert not fc.point_reached(_record(memory_processed=0, memory_total=2**28), "round")
+    assert not fc.point_reached(_record(), "round")  # libvirt's job, no statistics yet
+    assert fc.point_reached(_record(memory_processed=4096), "round")
+    assert fc.point_reached(_record(state="failed", phase="planning"), "round")  # ended first
+
+
+def test_the_other_points_are_reached_as_before():
+    assert fc.point_reached(_record(phase="postcopy"), "postcopy-switch")
+    assert not fc.point_reached(_record(memory_processed=4096), "postcopy-switch")
+    near_end = _record(memory_total=1000, memory_remaining=99, memory_processed=901)
+    assert fc.point_reached(near_end, "switchover")
+    assert not fc.point_reached(_record(memory_total=1000, memory_remaining=100), "switchover")
+    assert not fc.point_reached(_record(), "switchover")
+    assert set(fc.POINT_WAITS) == set(fc.POINTS)
+
+
+class _Agent:
+    """The source agent's migration record, one answer per poll (the last repeats)."""
+
+    def __init__(self, *records):
+        self.records = list(records)
+
+    def get(self, path):
+        return self.records.pop(0) if len(self.records) > 1 else self.records[0]
+
+
+def test_the_round_waits_for_bytes_and_a_timeout_says_what_it_waited_for(monkeypatch):
+    monkeypatch.setattr(fc.random, "uniform", lambda a, b: 0.0)
+    campaign = fc.Campaign(None)  # type: ignore[arg-type]
+    moving = _record(memory_processed=4096)
+    agent = _Agent(_record(phase="planning"), _record(memory_processed=0), moving)
+    assert campaign.wait_point(agent, "m1", "round") == moving
+    monkeypatch.setattr(fc, "PHASE_TIMEOUT_S", 0.2)
+    with pytest.raises(fc.exceptions.Timeout, match=r"point round: .*memory_processed > 0"):
+        campaign.wait_point(_Agent(_record(memory_processed=0)), "m1", "round")
