@@ -83,6 +83,8 @@ def vm_from_inventory(entry: dict[str, Any], max_downtime_ms: int | None = None)
             ),
             dirty_samples=tuple((float(t), float(n)) for t, n in entry["samples"]),
             paused=bool(entry.get("paused", False)),
+            # An agent from before it was reported: production hosts run KVM.
+            accelerator=str(entry.get("accelerator", "kvm")),
         )
         model = DirtyModel(float(dirty["m_pages"]), float(dirty["tau_s"]))
     except (KeyError, TypeError, ValueError) as exc:

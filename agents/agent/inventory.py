@@ -69,6 +69,7 @@ def _one_vm(
         # The engine's facts (facts.VmFacts), which the drain plans each move from.
         "memory": dataclasses.asdict(mem),
         "paused": vm.paused,
+        "accelerator": vm.accelerator,
         "samples": [list(s) for s in vm.dirty_samples],
         "dirty": {"m_pages": model.m_pages, "tau_s": model.tau_s},
         # Shorthands for people reading the reply.

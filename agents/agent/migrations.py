@@ -200,6 +200,7 @@ class MigrationService:
                 stream_bps=link.stream_bps,
                 setup_s=link.setup_s,
                 switchover_s=link.switchover_s,
+                switchover_learned=link.timings_learned > 0 or link.stream_bps is not None,
             ),
             self.options,
             rdma_both_ends=self.rdma and dest_facts.get("rdma_provider") is True,

@@ -6,10 +6,20 @@ and, after a postcopy switch, once the pages it touches first have arrived:
 
 - stop-and-copy: the last dirty pages, sent with the guest paused;
 - device state and switchover: QEMU's non-iterable state and its handshake
-  (what QEMU's downtime measures beyond the last pages; learned per link);
+  (what QEMU's downtime measures beyond the last pages);
 - libvirt's finish and resume: the destination's bookkeeping before it
-  resumes the guest (``docs/benchmarks/switchover.md``: 26-44 ms here, once
-  115 ms on a loaded machine);
+  resumes the guest (``docs/benchmarks/switchover.md``: 19-62 ms here).
+  Where the link's switchover is learnt, it is learnt from libvirt's
+  downtime, which runs from the source's pause to the destination's QEMU
+  running again (equal to within 2 ms in the same page's traces): the two
+  parts are then one, "device state, finish and resume";
+- the guest's first run in the destination's QEMU: a new process.  Under TCG
+  every block of guest code the guest runs is translated again before it
+  runs: 5-185 ms (median 94 over 16 idle and moderate guests) from the
+  destination's "running" to the guest's first heartbeat after a migration,
+  against 0-6 ms after a pause and resume in the same process
+  (``docs/benchmarks/switchover.md``).  Under KVM nothing is translated;
+  nothing measured here, counted as nothing;
 - postcopy faults: after a switch, each page the guest touches that has not
   arrived is fetched on demand, behind the pages already queued on the stream
   unless postcopy-preempt gives faults a channel of their own (libvirt turns
@@ -33,6 +43,7 @@ from flexmig.policy.precopy import Prediction
 
 MIB = 2**20
 RESUME_S = 0.035
+FIRST_RUN_TCG_S = 0.090
 # The stream data queued ahead of a faulted page on a single channel (socket
 # buffers and QEMU's send queue), times the faults that stall the guest in a
 # row: fitted to docs/benchmarks/modes.md's hot hybrid run (328 ms guest gap,
@@ -52,7 +63,12 @@ FAULT_QUEUE_BYTES = 24 * MIB
 # (A flat 10 ms guess before.)
 PREEMPT_FAULT_BYTES = 20 * MIB
 
-PARTS = ("stop-and-copy", "device state", "finish and resume", "postcopy faults")
+# The guest's first run after a migration, by accelerator (see above): about
+# the median of the switchover traces' "running -> first beat" on this machine.
+FIRST_RUN_S = {"tcg": FIRST_RUN_TCG_S, "kvm": 0.0}
+
+PARTS = ("stop-and-copy", "device state", "finish and resume", "first run", "postcopy faults")
+LEARNT_SWITCHOVER = "device state, finish and resume"
 NO_WRITEBACK = writeback.SwitchoverWriteback()
 
 
@@ -70,17 +86,31 @@ class Forecast:
         return f"{self.total_ms:.0f} ms ({parts})"
 
 
+def first_run_s(accelerator: str) -> float:
+    """The guest's first run in the destination's new QEMU (an unknown accelerator: KVM's).
+
+    >>> first_run_s("tcg") > first_run_s("kvm") == first_run_s("hvf") == 0.0
+    True
+    """
+    return FIRST_RUN_S.get(accelerator, FIRST_RUN_S["kvm"])
+
+
 def predict(
     prediction: Prediction,
     transfer: str,
     switchover_s: float,
     bandwidth_bps: float,
     preempt: bool,
-    resume_s: float = RESUME_S,
+    resume_s: float | None = RESUME_S,
     dest_writeback: writeback.SwitchoverWriteback = NO_WRITEBACK,
     store_faults: split.StoreFaults = split.NO_FAULTS,
+    first_run: float = 0.0,
 ) -> Forecast:
     """The guest-observed downtime of a plan, part by part.
+
+    ``resume_s`` None: ``switchover_s`` was learnt from libvirt's downtime,
+    which holds libvirt's finish and resume; ``first_run`` the guest's first
+    run on the destination (``first_run_s``).
 
     >>> from flexmig.policy.precopy import Prediction
     >>> p = Prediction("postcopy", (), True, "", 5.0, 0.05, 0.05, 1000)
@@ -100,6 +130,12 @@ def predict(
     >>> f = split.StoreFaults(35 * MIB, 9, 2, 0.02)
     >>> predict(s, "precopy", 0.05, 100 * MIB, False, store_faults=f).describe()
     '355 ms (stop-and-copy 50, device state 50, finish and resume 35, store faults 220)'
+
+    A learnt switchover holds the resume; a TCG guest's first run is its own part:
+
+    >>> m = Prediction("precopy", (), True, "", 5.0, 0.05, 0.045, 0)
+    >>> predict(m, "precopy", 0.04, 100 * MIB, False, None, first_run=0.07).describe()
+    '115 ms (stop-and-copy 5, device state, finish and resume 40, first run 70)'
     """
     final_faults_s = min(store_faults.final_round_s, prediction.downtime_s)
     stop_copy_s = max(0.0, prediction.downtime_s - final_faults_s - switchover_s)
@@ -107,7 +143,13 @@ def predict(
     if transfer == "postcopy":
         queued = PREEMPT_FAULT_BYTES if preempt else FAULT_QUEUE_BYTES
         faults_s = queued / bandwidth_bps
-    parts = dict(zip(PARTS, (stop_copy_s, switchover_s, resume_s, faults_s), strict=True))
+    parts = {
+        "stop-and-copy": stop_copy_s,
+        "device state" if resume_s is not None else LEARNT_SWITCHOVER: switchover_s,
+        "finish and resume": resume_s or 0.0,
+        "first run": first_run,
+        "postcopy faults": faults_s,
+    }
     if store_faults.off_budget_bytes:
         parts["store faults"] = final_faults_s + store_faults.first_heartbeat_s
     parts |= dest_writeback.parts_s()

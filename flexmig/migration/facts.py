@@ -54,6 +54,7 @@ class VmFacts:
     memory: GuestMemory
     dirty_samples: tuple[tuple[float, float], ...]  # (interval s, distinct pages dirtied)
     paused: bool
+    accelerator: str = "kvm"  # kvm | tcg: how its vCPUs run (domain type kvm or qemu)
 
 
 def guest_ram_mapping(pid: int, ram_bytes: int) -> tuple[str | None, int]:
@@ -122,6 +123,16 @@ def declared_backing(xml: str) -> tuple[str, bool]:
         elif source is not None and source.get("type") == "memfd":
             kind = "shmem"
     return kind, root.find("devices/hostdev") is not None
+
+
+def declared_accelerator(xml: str) -> str:
+    """How a domain's vCPUs run: "kvm", or "tcg" for libvirt's type "qemu" (emulated).
+
+    >>> declared_accelerator("<domain type='qemu'/>"), declared_accelerator("<domain type='kvm'/>")
+    ('tcg', 'kvm')
+    """
+    kind = ET.fromstring(xml).get("type", "kvm")
+    return "tcg" if kind == "qemu" else kind
 
 
 def read_memory(
@@ -243,10 +254,11 @@ def read_vm(
             raise exceptions.InvalidInput(what="VM", reason=f"{dom.name()!r} is not running")
         # info()'s first field is the state (Nova's fakelibvirt has no state()).
         paused = dom.info()[0] == libvirt.VIR_DOMAIN_PAUSED
+        accelerator = declared_accelerator(dom.XMLDesc(0))
     memory = read_memory(dom, host, ram_mapping, memory_dir_fs)
     if not samples:
         samples = sample_dirty_pages(conn, dom, host, sample_seconds)
-    return VmFacts(name=dom.name(), memory=memory, dirty_samples=samples, paused=paused)
+    return VmFacts(dom.name(), memory, samples, paused, accelerator)
 
 
 def host_software(conn: libvirt.virConnect, host: str) -> HostSoftware:

@@ -78,6 +78,9 @@ class LinkFacts:
     setup_s: float = 0.0  # job start until the first page moves
     switchover_s: float = 0.05
     resume_s: float = downtime.RESUME_S  # libvirt's finish and resume, as the guest sees it
+    # switchover_s learnt from libvirt's downtime, which ends with the guest
+    # running on the destination: it holds the finish and resume already.
+    switchover_learned: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -324,9 +327,10 @@ def plan(
         link.switchover_s,
         bandwidth,
         chosen.postcopy_preempt,
-        link.resume_s,
+        None if link.switchover_learned else link.resume_s,
         destination_writeback(request, mem, dest, decision.mode),
         decision.store_faults,
+        downtime.first_run_s(vm.accelerator),
     )
     return Plan(
         request=request,

@@ -15,20 +15,24 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 import re
 import time
 from pathlib import Path
 
 from flexmig import migrate_cli
-from flexmig_lab import vm
+from flexmig_lab import heartbeat, vm
 from flexmig_lab.lab import Lab
 from tests.bench.bench_modes import _lab_qemu_version
 
 OUT = Path("docs/benchmarks/switchover.md")
 SPLIT_BUDGET_MIB = 384  # 75 % of the guest, as bench_split's split-75
 CHECKPOINT_RE = re.compile(r"@(\d+\.\d+):vmstate_downtime_checkpoint (\S+)")
+# The destination's "running" (libvirt's `cont` done): where the guest may run.
+RUNNING_RE = re.compile(r"@(\d+\.\d+):runstate_set .*new_state \d+ \(running\)")
 CASES = {
+    "idle precopy": dict(workload="dirtier:wss=128M,rate=0", memory_backing="anonymous"),
     "moderate precopy": dict(workload="dirtier:wss=128M,rate=4000", memory_backing="anonymous"),
     "file-backed precopy": dict(workload="dirtier:wss=200M,rate=2000", memory_backing="file"),
     "short-dest split": dict(workload="dirtier:wss=200M,rate=2000", memory_backing="file"),
@@ -36,8 +40,28 @@ CASES = {
 
 
 def checkpoints(lab: Lab, host: str, name: str) -> dict[str, float]:
+    """QEMU's downtime checkpoints and its last change to "running", wall-clock seconds."""
     log = lab.host(host).ns.root_path(f"/var/log/libvirt/qemu/{name}.log").read_text()
-    return {m.group(2): float(m.group(1)) for m in CHECKPOINT_RE.finditer(log)}
+    found = {m.group(2): float(m.group(1)) for m in CHECKPOINT_RE.finditer(log)}
+    running = RUNNING_RE.findall(log)
+    if running:
+        found["running"] = float(running[-1])
+    return found
+
+
+def beats_around_switch(lab: Lab, name: str) -> tuple[float, float]:
+    """Wall-clock seconds of the source's last heartbeat and the destination's first.
+
+    The recorder stamps beats with the monotonic clock; QEMU's trace with the
+    wall clock: both are this machine's, so one offset converts.
+    """
+    offset_ns = time.time_ns() - time.monotonic_ns()
+    log = (vm.LabVM(lab, name).dir / "heartbeat.log").read_text().splitlines()
+    beats = sorted(heartbeat.parse(log), key=lambda b: b.counter)
+    for prev, cur in itertools.pairwise(beats):
+        if prev.host == "A" and cur.host == "B":
+            return (prev.host_ns + offset_ns) / 1e9, (cur.host_ns + offset_ns) / 1e9
+    raise RuntimeError(f"{name}: no heartbeat from A followed by one from B")
 
 
 def one(lab: Lab, case: str, index: int) -> str:
@@ -52,12 +76,19 @@ def one(lab: Lab, case: str, index: int) -> str:
         r = migrate_cli.migrate(lab, name, "B", mode=mode, show=False, bandwidth_mib=100)
         src, dst = checkpoints(lab, "A", name), checkpoints(lab, "B", name)
         last_byte = src["src-non-iterable-saved"]
+        last_beat, first_beat = beats_around_switch(lab, name)
+        parts = (
+            (src["src-downtime-start"] - last_beat) * 1000,
+            (dst["running"] - dst["dst-precopy-loadvm-completed"]) * 1000,
+            (first_beat - dst["running"]) * 1000,
+        )
         return (
             f"| {case} | {r['mode']} | {r['downtime_ms']} | {r['guest_switchover_gap_ms']:.0f} "
             f"| {(last_byte - src['src-downtime-start']) * 1000:.0f} "
             f"| {(dst['dst-precopy-loadvm-completed'] - last_byte) * 1000:.0f} "
             f"| {(src['src-downtime-end'] - dst['dst-precopy-loadvm-completed']) * 1000:.0f} "
-            f"| {r['verify']['bad'] + r['verify']['lost']} |"
+            + "".join(f"| {ms:.0f} " for ms in parts)
+            + f"| {r['verify']['bad'] + r['verify']['lost']} |"
         )
     finally:
         vm.destroy(lab, name)
@@ -68,39 +99,55 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument(
+        "--cases", default=",".join(CASES), help="comma-separated: " + ", ".join(CASES)
+    )
     args = parser.parse_args()
-    os.environ["FLEXMIG_LAB_QEMU_TRACE"] = "vmstate_downtime_checkpoint"
+    cases = [c for c in args.cases.split(",") if c]
+    unknown = sorted(set(cases) - set(CASES))
+    if unknown:
+        parser.error(f"unknown cases {unknown}; known: {', '.join(CASES)}")
+    os.environ["FLEXMIG_LAB_QEMU_TRACE"] = "vmstate_downtime_checkpoint,runstate_set"
     lab = Lab()
     lab.up(2)
     rows = []
     try:
         for i in range(args.runs):
-            for j, case in enumerate(CASES):
-                rows.append(one(lab, case, i * len(CASES) + j))
+            for j, case in enumerate(cases):
+                rows.append(one(lab, case, i * len(cases) + j))
                 print(rows[-1], flush=True)
     finally:
         lab.down()
-    qemu_env = os.environ.get("FLEXMIG_LAB_QEMU")
+    env = " ".join(
+        f"{k}={os.environ[k]}"
+        for k in ("FLEXMIG_LAB_QEMU", "FLEXMIG_LAB_LIBVIRT")
+        if k in os.environ
+    )
     lines = [
         f"# Where the switchover's time goes ({datetime.date.today()})",
         "",
         "Command: `"
-        + (f"FLEXMIG_LAB_QEMU={qemu_env} " if qemu_env else "")
+        + (f"{env} " if env else "")
         + ".venv/bin/python -m tests.bench.switchover_trace"
         + (f" --runs {args.runs}" if args.runs != 2 else "")
+        + (f" --cases '{args.cases}'" if cases != list(CASES) else "")
         + (f" --out {args.out}`" if args.out != OUT else "`"),
         "",
         f"FlexMig migrations A->B, 512 MiB TCG guests, stream capped at 100 MiB/s, QEMU "
-        f"{_lab_qemu_version()} with its `vmstate_downtime_checkpoint` trace events; split: B "
+        f"{_lab_qemu_version()} with its `vmstate_downtime_checkpoint` and `runstate_set` trace "
+        f"events; split: B "
         f"offers {SPLIT_BUDGET_MIB} MiB. Load average at the end {os.getloadavg()[0]:.1f}. "
         "Columns in ms: libvirt's downtime; the guest's heartbeat gap across the switchover; "
         "source stop to its last byte; last byte to the destination's load completion; that "
         "to the source's end of downtime (the destination's msync of file-backed RAM and its "
-        "reply). The rest of the guest's gap is libvirt finishing and resuming it.",
+        "reply); the guest's last heartbeat from the source to the source's stop (the heartbeat's "
+        "own period); the destination's load completion to its QEMU running again (libvirt's "
+        "finish and resume); that to the guest's first heartbeat from the destination.",
         "",
         "| case | mode | libvirt ms | guest gap ms | src stop->last byte | last byte->dst "
-        "loaded | dst loaded->src done | bad |",
-        "|---|---|---|---|---|---|---|---|",
+        "loaded | dst loaded->src done | last beat->src stop | dst loaded->running "
+        "| running->first beat | bad |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
         *rows,
     ]
     args.out.write_text("\n".join(lines) + "\n")

@@ -69,6 +69,10 @@ def test_the_inventory_carries_the_engines_facts_to_the_drain(monkeypatch):
         entries[0]["ram_bytes"], entries[0]["ram_bytes"] // 2, "file", "tmpfs", False
     )
     assert vm.facts.dirty_samples == samples and not vm.facts.paused
+    # libvirt's test driver runs domains of type "test": said as it is.
+    assert vm.facts.accelerator == entries[0]["accelerator"] == "test"
+    older = {k: v for k, v in entries[0].items() if k != "accelerator"}
+    assert drain_agents.vm_from_inventory(older).facts.accelerator == "kvm"
     assert vm.dirty == dirty_model.fit(samples, max_pages=vm.ram_bytes / facts.PAGE)
     assert cache.take("test") == samples
 
