@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import statistics
 import threading
 import time
 import uuid
@@ -34,6 +35,10 @@ LOG = logging.getLogger("flexmig.agent.migrations")
 EWMA_WEIGHT = 0.5
 MAX_EVENTS = 200
 PROBE_MAX_AGE_S = 600.0
+# The switchover is the median of the last few: one slow switchover on a loaded
+# host (a 390 ms guest gap among 133-ms ones, docs/benchmarks/downtime-first-run.md)
+# moved an average halfway and the next forecast with it.
+SWITCHOVER_SAMPLES = 5
 
 
 @dataclasses.dataclass
@@ -46,6 +51,7 @@ class LinkEstimate:
     setup_s: float = 0.0  # job start until the first page moves
     switchover_s: float = 0.05
     timings_learned: int = 0  # completed jobs setup_s and switchover_s come from
+    switchover_recent: list[float] = dataclasses.field(default_factory=list)  # newest last
 
     def learn(self, stats: dict[str, int], stream: bool = True) -> None:
         """One completed precopy job's statistics.  ``stream`` False: the job ran
@@ -63,7 +69,10 @@ class LinkEstimate:
         if stream:
             self.stream_bps = _ewma(self.stream_bps, bps)
         self.setup_s = _ewma(self.setup_s if had_timings else None, setup)
-        self.switchover_s = _ewma(self.switchover_s if had_timings else None, downtime_s)
+        if had_timings and not self.switchover_recent:  # saved before the samples were
+            self.switchover_recent = [self.switchover_s]
+        self.switchover_recent = [*self.switchover_recent, downtime_s][-SWITCHOVER_SAMPLES:]
+        self.switchover_s = statistics.median(self.switchover_recent)
         self.timings_learned += 1
 
 

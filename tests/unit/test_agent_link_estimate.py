@@ -50,6 +50,22 @@ def test_an_estimate_saved_before_timings_were_counted_keeps_averaging_them():
     assert link.setup_s == pytest.approx(2.0) and link.stream_bps == 100 * MIB
 
 
+def test_one_slow_switchover_does_not_move_the_learnt_one():
+    """libvirt's downtime of a job that met a loaded host is an outlier: the median
+    of the last five keeps the forecast where the other jobs put it."""
+    link = LinkEstimate()
+    for downtime_ms in (40, 45, 300, 42):
+        link.learn(job(100, 300, 5060, downtime_ms), stream=False)
+    assert link.switchover_s == pytest.approx(0.0435)
+    for _ in range(5):  # the host stays slow: the estimate follows
+        link.learn(job(100, 300, 5300, 300), stream=False)
+    assert link.switchover_s == pytest.approx(0.3) and len(link.switchover_recent) == 5
+    saved = json.loads(json.dumps({"switchover_s": 0.05, "stream_bps": 100 * MIB}))
+    old = LinkEstimate(**saved)  # saved before the samples were kept
+    old.learn(job(100, 100, 2000, 70), stream=False)
+    assert old.switchover_s == pytest.approx(0.06) and old.switchover_recent == [0.05, 0.07]
+
+
 def test_a_job_without_a_rate_teaches_nothing():
     link = LinkEstimate()
     link.learn({"memory_bps": 0, "time_elapsed": 1000, "downtime": 30})
