@@ -76,6 +76,32 @@ class LinkEstimate:
         self.timings_learned += 1
 
 
+def describe_learnt(link: LinkEstimate) -> str:
+    """What the agent has learnt of a destination, for a plan's explanation.
+
+    >>> describe_learnt(LinkEstimate())
+    'no migration to this destination measured yet'
+    >>> describe_learnt(LinkEstimate(setup_s=1.5, switchover_s=0.04, timings_learned=2))
+    'learned from 2 earlier migration(s): setup 1.50 s, switchover 40 ms (stream rate not \
+learnt: they ran under a bandwidth cap)'
+    >>> describe_learnt(LinkEstimate(stream_bps=2**27, setup_s=1.0, timings_learned=1))
+    'learned from 1 earlier migration(s): setup 1.00 s, switchover 50 ms, stream 128 MiB/s'
+    >>> describe_learnt(LinkEstimate(stream_bps=2**27, setup_s=1.0))
+    'learned from earlier: setup 1.00 s, switchover 50 ms, stream 128 MiB/s'
+    """
+    if not link.timings_learned and link.stream_bps is None:
+        return "no migration to this destination measured yet"
+    # An estimate saved before the jobs were counted learnt with its rate.
+    count = f"{link.timings_learned} earlier migration(s)" if link.timings_learned else "earlier"
+    text = (
+        f"learned from {count}: setup {link.setup_s:.2f} s, "
+        f"switchover {link.switchover_s * 1000:.0f} ms"
+    )
+    if link.stream_bps is None:
+        return text + " (stream rate not learnt: they ran under a bandwidth cap)"
+    return text + f", stream {link.stream_bps / 2**20:.0f} MiB/s"
+
+
 def teaches_the_link(mode: str, switched_to_postcopy: bool) -> bool:
     """Whether a completed job's statistics say what the link does: a plain
     precopy's do; a split's switchover also holds the store's work (a 500 ms

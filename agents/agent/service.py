@@ -32,7 +32,7 @@ from agents.agent import (
     sriov_failover,
 )
 from agents.agent.client import AgentClient
-from agents.agent.migrations import Destination, MigrationService
+from agents.agent.migrations import Destination, MigrationService, describe_learnt
 from agents.agent.split_store import ChunkFlusher, ResidencyKeeper, SplitStore
 from flexmig import exceptions
 from flexmig.migration import options as migration_options
@@ -437,12 +437,7 @@ class Agent:
         request, dest = self._request(body)
         plan = self.migrations.plan(request, dest)
         link = self.migrations.link(dest)
-        learned = (
-            f"learned from earlier migrations: stream {link.stream_bps / 2**20:.0f} "
-            f"MiB/s, setup {link.setup_s:.2f} s"
-            if link.stream_bps
-            else "no migration to this destination measured yet"
-        )
+        learned = describe_learnt(link)
         try:
             flows = self.offload.explain(request.vm)
         except exceptions.FlexMigError as exc:
