@@ -53,6 +53,12 @@ class LinkEstimate:
     timings_learned: int = 0  # completed jobs setup_s and switchover_s come from
     switchover_recent: list[float] = dataclasses.field(default_factory=list)  # newest last
 
+    @property
+    def learnt_timings(self) -> bool:
+        """Whether setup_s and switchover_s were learnt (an estimate saved before
+        timings_learned existed learnt them with its rate)."""
+        return self.timings_learned > 0 or self.stream_bps is not None
+
     def learn(self, stats: dict[str, int], stream: bool = True) -> None:
         """One completed precopy job's statistics.  ``stream`` False: the job ran
         under a bandwidth cap, so its rate says nothing of the link's; its setup
@@ -64,8 +70,7 @@ class LinkEstimate:
         downtime_s = stats.get("downtime", 0) / 1000
         transfer_s = stats.get("memory_processed", 0) / bps
         setup = max(0.0, elapsed_ms / 1000 - transfer_s - downtime_s)
-        # An estimate saved before timings_learned existed learned them with its rate.
-        had_timings = self.timings_learned > 0 or self.stream_bps is not None
+        had_timings = self.learnt_timings
         if stream:
             self.stream_bps = _ewma(self.stream_bps, bps)
         self.setup_s = _ewma(self.setup_s if had_timings else None, setup)
@@ -89,9 +94,8 @@ learnt: they ran under a bandwidth cap)'
     >>> describe_learnt(LinkEstimate(stream_bps=2**27, setup_s=1.0))
     'learned from earlier: setup 1.00 s, switchover 50 ms, stream 128 MiB/s'
     """
-    if not link.timings_learned and link.stream_bps is None:
+    if not link.learnt_timings:
         return "no migration to this destination measured yet"
-    # An estimate saved before the jobs were counted learnt with its rate.
     count = f"{link.timings_learned} earlier migration(s)" if link.timings_learned else "earlier"
     text = (
         f"learned from {count}: setup {link.setup_s:.2f} s, "
@@ -235,7 +239,7 @@ class MigrationService:
                 stream_bps=link.stream_bps,
                 setup_s=link.setup_s,
                 switchover_s=link.switchover_s,
-                switchover_learned=link.timings_learned > 0 or link.stream_bps is not None,
+                switchover_learned=link.learnt_timings,
             ),
             self.options,
             rdma_both_ends=self.rdma and dest_facts.get("rdma_provider") is True,

@@ -67,7 +67,6 @@ PREEMPT_FAULT_BYTES = 20 * MIB
 # the median of the switchover traces' "running -> first beat" on this machine.
 FIRST_RUN_S = {"tcg": FIRST_RUN_TCG_S, "kvm": 0.0}
 
-PARTS = ("stop-and-copy", "device state", "finish and resume", "first run", "postcopy faults")
 LEARNT_SWITCHOVER = "device state, finish and resume"
 NO_WRITEBACK = writeback.SwitchoverWriteback()
 
