@@ -128,7 +128,7 @@ def timings_learned(link: dict[str, Any]) -> bool:
     >>> timings_learned({"stream_bps": 100.0}), timings_learned({"stream_bps": None})
     (True, False)
     """
-    return bool(link.get("timings_learned")) or bool(link.get("stream_bps"))
+    return planner.timings_were_learnt(link.get("timings_learned"), link.get("stream_bps"))
 
 
 def fabric_from(

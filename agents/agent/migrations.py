@@ -55,9 +55,9 @@ class LinkEstimate:
 
     @property
     def learnt_timings(self) -> bool:
-        """Whether setup_s and switchover_s were learnt (an estimate saved before
-        timings_learned existed learnt them with its rate)."""
-        return self.timings_learned > 0 or self.stream_bps is not None
+        """Whether setup_s and switchover_s were learnt (the drain reads the same
+        rule from the reported estimate)."""
+        return planner.timings_were_learnt(self.timings_learned, self.stream_bps)
 
     def learn(self, stats: dict[str, int], stream: bool = True) -> None:
         """One completed precopy job's statistics.  ``stream`` False: the job ran

@@ -69,6 +69,17 @@ class DestinationFacts:
             ) from exc
 
 
+def timings_were_learnt(jobs_counted: int | None, stream_bps: float | None) -> bool:
+    """Whether an agent learnt a link's setup and switchover: from any counted
+    job (capped jobs teach them without the rate), or, in an estimate saved
+    before jobs were counted, with its rate.
+
+    >>> timings_were_learnt(2, None), timings_were_learnt(0, 100.0), timings_were_learnt(0, None)
+    (True, True, False)
+    """
+    return bool(jobs_counted) or bool(stream_bps)
+
+
 @dataclasses.dataclass(frozen=True)
 class LinkFacts:
     """What is known about the path to the destination."""
