@@ -27,15 +27,25 @@ each page lives.  Every INTERVAL_S it
    (and the readahead QEMU does not map with ``POSIX_FADV_DONTNEED``) down
    to a low mark half the headroom below the target, so the next interval's
    stream lands in free room: clean file pages are simply unmapped and
-   freed, no I/O inside QEMU's faults.
+   freed, no I/O inside QEMU's faults;
+5. once libvirt says the guest runs here, drops nothing more: the guest's
+   reads now say what is hot, and only the kernel sees them (accessed bits),
+   so the cap's reclaim picks by its LRU among pages step 3 keeps clean.
 
 Why "written since the last writeback" is the evidence of hotness here: the
 destination sees the guest only through what arrives. A page the source sends
 again in a later round is one the guest rewrote: the rewritten set is what the
 source's dirty-rate model calls hot, and what the guest will touch first after
-switchover.  After switchover the guest's own writes feed the same bit.
-Reads leave no trace this kernel exposes (no soft-dirty, no idle-page
-tracking on this build), except a dropped chunk coming back, which is counted.
+switchover.  Reads leave no trace this kernel exposes to the keeper (no
+soft-dirty, no idle-page tracking on this build), except a dropped chunk
+coming back, which is counted.
+
+The granule the kernel really moves is larger than a page: QEMU maps guest RAM
+MADV_HUGEPAGE, and on a filesystem with large folios (ext4 since Linux 6.16)
+the store's page cache is then held in 2 MiB folios, PMD-mapped, and a fault
+on a dropped page reads two of them, 4 MiB (measured on this host's 6.18
+kernel; without the advice one page).  A page that is hot keeps its whole
+folio resident.
 """
 
 from __future__ import annotations
@@ -61,7 +71,6 @@ IOV_MAX = 1024
 SYNC_FILE_RANGE_WAIT_BEFORE = 1
 SYNC_FILE_RANGE_WRITE = 2
 SYNC_FILE_RANGE_WAIT_AFTER = 4
-RESUMED_HEADROOM_MIN = 4 << 20
 
 _PRESENT_TABLE = bytes(1 if b & 0x80 else 0 for b in range(256))
 _LIBC = ctypes.CDLL(None, use_errno=True)
@@ -110,24 +119,16 @@ def low_mark(limit_bytes: int, headroom_bytes: int) -> int:
     return max(limit_bytes // 2, target - headroom_bytes // 2)
 
 
-def resumed_headroom(limit_bytes: int) -> int:
-    """Headroom once the guest runs here: no final round is coming, so only room
-    for an interval's faults and writes is kept (a 32nd of the cap, at least
-    4 MiB) and the guest has the rest of its budget.  Keeping the final round's
-    headroom after the move, split-50's guest ran at 369 of the 2,000 pages/s it
-    asked while conventional swap under the same cap ran at full speed
-    (docs/benchmarks/split-repeat.md).
+def drop_pages(charge_bytes: int, target: int, low: int, guest_runs_here: bool = False) -> int:
+    """Pages to drop now: none up to the target; above it, down to the low mark;
+    none once the guest runs here.
 
-    >>> resumed_headroom(256 << 20) >> 20
-    8
-    >>> resumed_headroom(64 << 20) >> 20
-    4
-    """
-    return min(limit_bytes // 2, max(RESUMED_HEADROOM_MIN, limit_bytes // 32))
-
-
-def drop_pages(charge_bytes: int, target: int, low: int) -> int:
-    """Pages to drop now: none up to the target; above it, down to the low mark.
+    Once the guest runs, its reads are evidence the keeper cannot see and the
+    kernel's LRU can (the pages' accessed bits); the keeper only keeps the
+    store written back, so the cap's reclaim finds clean pages and waits on no
+    I/O.  Dropping by write history after the move too, split-50's guest ran
+    at 629 pages/s (split-resumed-headroom.md); left to the LRU, at 726-823
+    (split-kernel-lru.md).
 
     Dropping only the excess over the target left the charge at the target,
     and the next interval's stream (10 MiB at 100 MiB/s) took it to the cap:
@@ -138,8 +139,10 @@ def drop_pages(charge_bytes: int, target: int, low: int) -> int:
     30
     >>> drop_pages(220 << 20, 220 << 20, 200 << 20)
     0
+    >>> drop_pages(230 << 20, 220 << 20, 200 << 20, guest_runs_here=True)
+    0
     """
-    if charge_bytes <= target:
+    if guest_runs_here or charge_bytes <= target:
         return 0
     return (charge_bytes - low) // PAGE
 

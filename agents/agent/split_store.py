@@ -324,13 +324,10 @@ class ResidencyKeeper(threading.Thread):
                     self.stats["state"] = "VM left"
                     return
                 if not resumed and self._guest_runs_here():
-                    # No final round to come: the guest gets its budget but a margin.
+                    # No final round to come; the kernel's LRU sees the guest's reads.
                     resumed = True
-                    headroom = residency.resumed_headroom(res["budget_bytes"])
-                    marks = _Marks.of(res["budget_bytes"], headroom)
-                    self.stats |= {"state": "keeping, the guest running here"}
-                    self.stats |= {"target_bytes": marks.target, "low_bytes": marks.low}
-                self._step(ram, fds, marks, state)
+                    self.stats["state"] = "writing back; the guest runs here, the cap reclaims"
+                self._step(ram, fds, marks, state, guest_runs_here=resumed)
         finally:
             for fd in fds:
                 if fd >= 0:
@@ -343,14 +340,21 @@ class ResidencyKeeper(threading.Thread):
         except (OSError, UnicodeDecodeError):
             return False  # not known: the headroom stays
 
-    def _step(self, ram: residency.GuestRam, fds: list[int], marks: _Marks, state: _Chunks) -> None:
+    def _step(
+        self,
+        ram: residency.GuestRam,
+        fds: list[int],
+        marks: _Marks,
+        state: _Chunks,
+        guest_runs_here: bool = False,
+    ) -> None:
         file_fd, pidfd = fds[0], fds[1]
         scan = self._look(ram, fds, state)
         resident = [c for c, pages in enumerate(scan.resident) if pages]
         ram.write_back(file_fd, resident, wait=False)
         charge = (self.store.usage(self.vm) or {}).get("usage_bytes") or 0
         self._sample(charge, sum(scan.resident) * residency.PAGE)
-        excess = residency.drop_pages(charge, marks.target, marks.low)
+        excess = residency.drop_pages(charge, marks.target, marks.low, guest_runs_here)
         if excess:
             victims = residency.drop_order(scan.resident, state.ages, state.writes, excess)
             ram.write_back(file_fd, victims, wait=True)

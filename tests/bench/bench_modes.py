@@ -147,7 +147,7 @@ def run_flexmig(lab, name):
         bytes_mib=(result.get("bytes_moved") or 0) / 2**20,
         bad=check.get("bad", 0) + check.get("lost", 0),
         pred_time_s=(result.get("predicted_total_ms") or 0) / 1000,
-        pred_downtime_ms=result.get("predicted_downtime_ms"),
+        pred_downtime_ms=result.get("predicted_guest_downtime_ms"),  # the guest's, as measured
         note=(result.get("error") or "")[:60],
     )
 

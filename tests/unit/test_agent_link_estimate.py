@@ -10,8 +10,12 @@ import pytest
 
 from agents.agent import migrations
 from agents.agent.migrations import LinkEstimate
+from flexmig.migration import downtime
 
 MIB = 2**20
+
+
+_NO_PLAN = types.SimpleNamespace(guest_downtime=downtime.Forecast({}))
 
 
 def job(bps_mib, processed_mib, elapsed_ms, downtime_ms):
@@ -34,19 +38,44 @@ def test_a_capped_job_teaches_setup_and_switchover_but_not_the_rate():
     """A job under a bandwidth cap moves at the cap, not at what the link carries;
     its setup (the destination's QEMU starting) is the link's all the same."""
     link = LinkEstimate()
-    link.learn(job(100, 300, 5060, 60), stream=False)
+    link.learn(job(100, 300, 5060, 60), cap_bps=100 * MIB)
     assert link.stream_bps is None
     assert link.setup_s == pytest.approx(2.0) and link.switchover_s == pytest.approx(0.06)
-    link.learn(job(100, 300, 6000, 100), stream=False)  # averaged, not replaced
+    link.learn(job(100, 300, 6000, 100), cap_bps=100 * MIB)  # averaged, not replaced
     assert link.setup_s == pytest.approx(2.45) and link.switchover_s == pytest.approx(0.08)
     link.learn(job(250, 500, 4030, 30))  # the first uncapped job: its rate as it is
     assert link.stream_bps == 250 * MIB
     assert link.setup_s == pytest.approx(2.225) and link.timings_learned == 3
 
 
+def test_a_capped_job_that_stayed_under_its_cap_teaches_the_streams_rate():
+    """The lab's TCG guest streamed 59 MiB/s under a 100 MiB/s cap: the stream,
+    not the cap, set that rate, and a forecast at the cap was 30-40 % short."""
+    link = LinkEstimate()
+    link.learn(job(59, 330, 6600, 145), cap_bps=100 * MIB)
+    assert link.stream_bps == 59 * MIB
+    link.learn(job(99, 330, 4600, 100), cap_bps=100 * MIB)  # held by the cap: a floor
+    assert link.stream_bps == 99 * MIB
+    link.learn(job(64, 330, 4600, 100), cap_bps=64 * MIB)  # held, below what is known
+    assert link.stream_bps == 99 * MIB
+
+
+def test_the_learnt_switchover_leaves_out_what_the_forecast_counts_per_vm():
+    """libvirt's downtime holds the VM's last pages and its destination's msync:
+    the forecast counts those per VM, so the link's switchover is the rest."""
+    forecast = downtime.Forecast(
+        {"stop-and-copy": 10.0, "device state": 50.0, "destination msync": 100.0}
+    )
+    link = LinkEstimate()
+    link.learn(job(59, 330, 6600, 190), cap_bps=100 * MIB, forecast=forecast)
+    assert link.switchover_s == pytest.approx(0.080)
+    link.learn(job(59, 330, 6600, 60), cap_bps=100 * MIB, forecast=forecast)
+    assert link.switchover_recent[-1] == downtime.LEARNT_SWITCHOVER_MIN_S
+
+
 def test_an_estimate_saved_before_timings_were_counted_keeps_averaging_them():
     link = LinkEstimate(stream_bps=100 * MIB, setup_s=1.0, switchover_s=0.05)
-    link.learn(job(100, 100, 4050, 50), stream=False)
+    link.learn(job(100, 100, 4050, 50), cap_bps=100 * MIB)
     assert link.setup_s == pytest.approx(2.0) and link.stream_bps == 100 * MIB
 
 
@@ -55,14 +84,14 @@ def test_one_slow_switchover_does_not_move_the_learnt_one():
     of the last five keeps the forecast where the other jobs put it."""
     link = LinkEstimate()
     for downtime_ms in (40, 45, 300, 42):
-        link.learn(job(100, 300, 5060, downtime_ms), stream=False)
+        link.learn(job(100, 300, 5060, downtime_ms), cap_bps=100 * MIB)
     assert link.switchover_s == pytest.approx(0.0435)
     for _ in range(5):  # the host stays slow: the estimate follows
-        link.learn(job(100, 300, 5300, 300), stream=False)
+        link.learn(job(100, 300, 5300, 300), cap_bps=100 * MIB)
     assert link.switchover_s == pytest.approx(0.3) and len(link.switchover_recent) == 5
     saved = json.loads(json.dumps({"switchover_s": 0.05, "stream_bps": 100 * MIB}))
     old = LinkEstimate(**saved)  # saved before the samples were kept
-    old.learn(job(100, 100, 2000, 70), stream=False)
+    old.learn(job(100, 100, 2000, 70), cap_bps=100 * MIB)
     assert old.switchover_s == pytest.approx(0.06) and old.switchover_recent == [0.05, 0.07]
 
 
@@ -98,7 +127,8 @@ def test_plans_asked_together_share_one_probe_and_never_race_on_the_file(tmp_pat
     with concurrent.futures.ThreadPoolExecutor(32) as pool:
         links = list(pool.map(lambda _: service.link(dest), range(64)))
         learnt = [
-            pool.submit(service._learn, dest, job(100, 100, 2000, 50), False) for _ in range(64)
+            pool.submit(service._learn, dest, job(100, 100, 2000, 50), None, _NO_PLAN)
+            for _ in range(64)
         ]
         for future in learnt:
             future.result()  # a racing save raised FileNotFoundError here

@@ -32,7 +32,7 @@ def reported(link: LinkEstimate, fabric_mib: int = 1000) -> dict:
 def capped() -> LinkEstimate:
     """A destination reached only under a bandwidth cap: 2 s setup, 60 ms switchover."""
     link = LinkEstimate()
-    link.learn(job(100, 300, 5060, 60), stream=False)
+    link.learn(job(100, 300, 5060, 60), cap_bps=100 * MIB)
     return link
 
 
