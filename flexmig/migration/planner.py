@@ -20,6 +20,7 @@ from flexmig.migration.knobs import HostSoftware, Knobs
 from flexmig.migration.options import EngineOptions
 from flexmig.migration.request import MigrationRequest
 from flexmig.policy import dirty_model
+from flexmig.policy import split as split_model
 from flexmig.policy.decision import Decision, MigrationInputs, decide, split_budget
 from flexmig.policy.transport import TransportChoice, choose_transport, preempt_conflict
 
@@ -246,21 +247,63 @@ def stream_bandwidth(request: MigrationRequest, link: LinkFacts, opts: EngineOpt
 
 
 def destination_writeback(
-    request: MigrationRequest, mem: GuestMemory, dest: DestinationFacts, mode: str
+    request: MigrationRequest,
+    mem: GuestMemory,
+    dest: DestinationFacts,
+    mode: str,
+    split_dirty_bytes: float = 0.0,
 ) -> writeback.SwitchoverWriteback:
     """What the destination writes back of this guest's memory file inside its downtime.
 
-    A split VM's file holds no more dirty pages than its resident budget.
+    A split VM's file holds what its residency keeper has not yet written back
+    (``split_dirty_bytes``, ``split.dirty_at_completion``), never more than its budget.
     """
-    resident = mem.resident_bytes
+    dirty = writeback.dirty_at_completion(mem.resident_bytes, request.store_writeback)
     if mode == "split":
-        resident = min(resident, dest.free_for_vms_bytes)
+        dirty = min(dirty, split_dirty_bytes, dest.free_for_vms_bytes)
     return writeback.switchover_writeback(
         mem.file_backed,
-        writeback.dirty_at_completion(resident, request.store_writeback),
+        dirty,
         dest.software.qemu,
         dest.store_shares_libvirt_fs,
         dest.store_write_bps,
+    )
+
+
+def guest_downtime(
+    request: MigrationRequest,
+    vm: VmFacts,
+    dest: DestinationFacts,
+    link: LinkFacts,
+    decision: Decision,
+    bandwidth: float,
+    chosen: Knobs,
+) -> downtime.Forecast:
+    """The guest-observed downtime of the decided plan, part by part."""
+    # The last pages' copy: QEMU's downtime less its switchover and store faults.
+    stop_copy_s = (
+        decision.prediction.downtime_s
+        - link.switchover_s
+        - min(decision.store_faults.final_round_s, decision.prediction.downtime_s)
+    )
+    final_round = max(0.0, stop_copy_s) * bandwidth
+    dest_writeback = destination_writeback(
+        request,
+        vm.memory,
+        dest,
+        decision.mode,
+        split_model.dirty_at_completion(final_round, bandwidth),
+    )
+    return downtime.predict(
+        decision.prediction,
+        decision.transfer,
+        link.switchover_s,
+        bandwidth,
+        chosen.postcopy_preempt,
+        None if link.switchover_learned else link.resume_s,
+        dest_writeback,
+        decision.store_faults,
+        downtime.first_run_s(vm.accelerator),
     )
 
 
@@ -332,17 +375,7 @@ def plan(
             file_backed=mem.file_backed,
         )
     )
-    forecast = downtime.predict(
-        decision.prediction,
-        decision.transfer,
-        link.switchover_s,
-        bandwidth,
-        chosen.postcopy_preempt,
-        None if link.switchover_learned else link.resume_s,
-        destination_writeback(request, mem, dest, decision.mode),
-        decision.store_faults,
-        downtime.first_run_s(vm.accelerator),
-    )
+    forecast = guest_downtime(request, vm, dest, link, decision, bandwidth, chosen)
     return Plan(
         request=request,
         decision=decision,

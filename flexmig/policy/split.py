@@ -181,6 +181,20 @@ def faults(
     )
 
 
+def dirty_at_completion(final_round: float, bandwidth_bps: float) -> float:
+    """What of a split VM's memory file is still dirty when the migration
+    completes: the keeper starts writeback of every dirty chunk each interval,
+    so the final round and what arrived in the last two intervals.  Counted as
+    the whole resident budget (the flusher-less case's bound), a split-75
+    forecast put 527 ms on a switchover the guest saw take 229
+    (docs/benchmarks/split-kernel-lru.md).
+
+    >>> dirty_at_completion(2 * MIB, 100 * MIB) / MIB
+    22.0
+    """
+    return final_round + 2 * KEEPER_INTERVAL_S * bandwidth_bps
+
+
 def final_round_bytes(pre: precopy.Prediction, xfer: precopy.Transfer) -> float:
     """What the stop-and-copy carries: the downtime beyond the switchover, at the stream's rate.
 
