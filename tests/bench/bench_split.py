@@ -95,6 +95,7 @@ def run_flexmig(lab: Lab, name: str) -> dict:
         dropped_mib=(keeper.get("dropped_bytes") or 0) / 2**20,
         cap_hits=(status.get("cgroup") or {}).get("limit_hits"),
         note=(result.get("error") or "")[:60],
+        pred_parts=result.get("predicted_downtime_parts_ms"),  # printed per run, for the reading
     )
     if row["ok"]:
         row["after_pps"] = _after_move_rate(vm.LabVM(lab, name))
