@@ -147,7 +147,17 @@ agent_opts = [
         default="/run/flexmig",
         help="Where split reservations for the libvirt hook are kept, and the "
         "movers' sockets and files; the logs of the 20 most recent failed movers "
-        "stay there as mover-<id>-<role>.failed.log (agents/agent/mover_files.py).",
+        "stay there as mover-<id>-<role>.failed.log (agents/agent/mover_files.py); "
+        "the agent's own migration records as migrations/<id>.json.",
+    ),
+    cfg.IntOpt(
+        "migration_records_kept",
+        default=50,
+        min=1,
+        max=10000,
+        help="Ended migrations whose records the agent keeps in state_dir (the "
+        "newest; older ones are deleted), so GET /v1/migrations/<id> still answers "
+        "after the agent restarts.  Records of migrations still running are always kept.",
     ),
 ]
 

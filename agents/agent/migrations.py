@@ -17,11 +17,21 @@ import statistics
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from agents.agent import inventory, movers, privileged
 from agents.agent.client import AgentClient
+from agents.agent.migration_records import (
+    ACTIVE,
+    Destination,
+    MigrationRecord,
+    Reconciler,
+    RecordStore,
+    end_writeback,
+    release_split,
+)
 from agents.agent.mover_pairs import MoverPairs
 from agents.agent.offload_hook import OffloadHook
 from flexmig import exceptions, hypervisor
@@ -33,7 +43,6 @@ from flexmig.migration.request import MigrationRequest
 
 LOG = logging.getLogger("flexmig.agent.migrations")
 EWMA_WEIGHT = 0.5
-MAX_EVENTS = 200
 PROBE_MAX_AGE_S = 600.0
 # The switchover is the median of the last few: one slow switchover on a loaded
 # host (a 390 ms guest gap among 133-ms ones, docs/benchmarks/downtime-first-run.md)
@@ -153,56 +162,6 @@ def _ewma(current: float | None, sample: float) -> float:
     return sample if current is None else current + EWMA_WEIGHT * (sample - current)
 
 
-@dataclasses.dataclass(frozen=True)
-class Destination:
-    agent: AgentClient
-    libvirt_uri: str
-    migration_uri: str
-
-
-@dataclasses.dataclass
-class MigrationRecord:
-    id: str
-    request: MigrationRequest
-    dest: str
-    writeback_rounds: int | None = None
-    state: str = "planning"
-    plan: Plan | None = None
-    progress: dict[str, int] = dataclasses.field(default_factory=dict)
-    phase: str = "planning"
-    events: list[tuple[float, str]] = dataclasses.field(default_factory=list)
-    summary: dict[str, Any] = dataclasses.field(default_factory=dict)
-    error: str | None = None
-    started: float = dataclasses.field(default_factory=time.time)
-
-    @property
-    def vm(self) -> str:
-        return self.request.vm
-
-    def event(self, text: str) -> None:
-        self.events.append((time.time(), text))
-        del self.events[:-MAX_EVENTS]
-
-    def as_dict(self) -> dict[str, Any]:
-        plan = self.plan
-        return {
-            "id": self.id,
-            "vm": self.vm,
-            "dest": self.dest,
-            "state": self.state,
-            "phase": self.phase,
-            "requested_mode": self.request.mode,
-            "mode": plan.mode if plan else None,
-            "transport": dataclasses.asdict(plan.transport) if plan else None,
-            "parallel": plan.parallel if plan else None,
-            "explanation": plan.explain() if plan else None,
-            "progress": self.progress,
-            "events": self.events,
-            "summary": self.summary,
-            "error": self.error,
-        }
-
-
 class MigrationService:
     def __init__(
         self, host: str, conf: Any, options: EngineOptions, offload: OffloadHook | None = None
@@ -211,7 +170,9 @@ class MigrationService:
         self.offload = offload
         self.conf = conf
         self.options = options
-        self.records: dict[str, MigrationRecord] = {}
+        # Kept on disk so a restarted agent still answers for them (migration_records).
+        self.store = RecordStore(conf.agent.state_dir, conf.agent.migration_records_kept)
+        self.records: dict[str, MigrationRecord] = {r.id: r for r in self.store.load()}
         self.links_file = Path(conf.agent.state_dir) / "links.json"
         self.links = self._load_links()
         # Plans run in parallel (agent_load's 100 at once): one writer of the
@@ -307,17 +268,35 @@ class MigrationService:
             self._save_links()
 
     # -- execution ------------------------------------------------------------
+    def reconcile_unended(self, peer: Callable[[str, int], AgentClient]) -> list[MigrationRecord]:
+        """Follow to their end the migrations a previous agent left unended
+        (``peer`` makes a client for their destination's agent)."""
+        reconciler = Reconciler(self.host, self.conf.agent.libvirt_uri, self.store, peer)
+        unended = [r for r in self.records.values() if r.state in ACTIVE]
+        for record in unended:
+            LOG.warning("migration %s of %s was %s when the agent stopped", record.id, record.vm,
+                        record.state)  # fmt: skip
+            reconciler.start(record)
+        return unended
+
     def start(self, request: MigrationRequest, dest: Destination) -> MigrationRecord:
-        record = MigrationRecord(id=uuid.uuid4().hex[:12], request=request, dest=dest.agent.address)
+        record = MigrationRecord(
+            id=uuid.uuid4().hex[:12],
+            request=request,
+            dest=dest.agent.address,
+            dest_access={
+                "port": dest.agent.port,
+                "libvirt_uri": dest.libvirt_uri,
+                "migration_uri": dest.migration_uri,
+            },
+        )
         with self.lock:
-            if any(
-                r.vm == request.vm and r.state in ("planning", "running")
-                for r in self.records.values()
-            ):
+            if any(r.vm == request.vm and r.state in ACTIVE for r in self.records.values()):
                 raise exceptions.InvalidInput(
                     what="VM", reason=f"{request.vm} is already migrating"
                 )
             self.records[record.id] = record
+        self.store.save(record)
         threading.Thread(
             target=self._run, args=(record, dest), name=f"migration-{record.id}", daemon=True
         ).start()
@@ -329,6 +308,7 @@ class MigrationService:
             record.plan = self.plan(record.request, dest)
             record.event(f"decided: {record.plan.mode}")
             record.state = "running"
+            self.store.save(record)
             self._execute(record, record.plan, dest)
         except exceptions.FlexMigError as exc:
             record.state, record.error = "failed", str(exc)
@@ -338,6 +318,9 @@ class MigrationService:
             LOG.exception("%s", error)
             record.state, record.error = "failed", str(error)
             record.event(record.error)
+        finally:
+            record.ended = time.time() if record.state not in ACTIVE else None
+            self.store.save(record)
 
     def _execute(self, record: MigrationRecord, plan: Plan, dest: Destination) -> None:
         writeback = self._prepare_destination(record, plan, dest)
@@ -362,10 +345,10 @@ class MigrationService:
             self.offload.restore(record.id, result.error or result.state, dest.agent, record.event)
         mover_stats = self._finish_movers(record, pairs, result.state == "completed")
         if writeback:
-            record.writeback_rounds = self._end_writeback(record, dest)
+            record.writeback_rounds = end_writeback(record, dest)
         if result.state != "completed":
             if plan.mode == "split" and not result.switched_to_postcopy:
-                _quietly(lambda: dest.agent.post("/v1/split/cleanup", {"vm": record.vm}))
+                release_split(record, dest)
             record.state, record.error = "failed", result.error
             record.event(f"failed: {result.error}; the VM runs on {self.host}")
             return
@@ -439,7 +422,11 @@ class MigrationService:
         )
 
         def progress(phase: str, stats: dict[str, int]) -> None:
+            # Saved when the phase changes, not per sample (several a second).
+            changed = phase != record.phase
             record.phase, record.progress = phase, stats
+            if changed:
+                self.store.save(record)
 
         def dest_alive() -> bool:
             try:
@@ -463,13 +450,6 @@ class MigrationService:
             dest.agent.post("/v1/incoming/writeback", {"vm": record.vm, "active": True})
         except exceptions.FlexMigError as exc:
             record.event(f"destination cannot write the memory file back early: {exc}")
-
-    def _end_writeback(self, record: MigrationRecord, dest: Destination) -> int | None:
-        try:
-            body = {"vm": record.vm, "active": False}
-            return int(dest.agent.post("/v1/incoming/writeback", body)["rounds"])
-        except (exceptions.FlexMigError, KeyError, TypeError, ValueError):
-            return None
 
     def _mover_pairs(self, record: MigrationRecord, plan: Plan, dest: Destination) -> MoverPairs:
         # QEMU's multifd opens the main connection and one per channel.
@@ -542,10 +522,3 @@ class MigrationService:
             return self.records[migration_id]
         except KeyError:
             raise exceptions.NotFound(what="migration", name=migration_id) from None
-
-
-def _quietly(fn: Any) -> None:
-    try:
-        fn()
-    except exceptions.FlexMigError:
-        pass

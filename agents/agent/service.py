@@ -518,6 +518,8 @@ def main(argv: list[str] | None = None) -> int:
         config.check_workers(conf)
         agent = Agent(conf)
         tend_movers(agent)
+        # Migrations the previous agent left running: libvirt's job outlived it.
+        agent.migrations.reconcile_unended(agent.peer)
         privileged.start()
         servers = api.make_servers(
             conf.agent.listen_address,

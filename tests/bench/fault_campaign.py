@@ -435,6 +435,12 @@ class Campaign:
         }
         if len(running) != 1:
             return run
+        # The agent's reported end must say where the VM is (a restarted agent's too).
+        expected = {"completed": dst, "failed": src}.get(str(run["state"]))
+        if expected is not None and running[0] != expected:
+            run["error"] = (
+                f"{run['error']}; reported {run['state']} but the VM runs on {running[0]}"
+            )
         guest = self.lab.guest(name)
         try:
             guest.wait_heartbeat(host=running[0])

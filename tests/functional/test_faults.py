@@ -37,6 +37,7 @@ def slow_vm(lab):
     yield guest
     for spec in lab.specs:
         fabric.set_mgmt_link(spec, True)
+    lab.host("A").start_agent()
     lab.host("B").start_agent()
     vm.destroy(lab, "slow")
 
@@ -50,6 +51,42 @@ def test_killing_the_destination_agent_aborts_precopy_and_keeps_the_vm(lab, slow
     assert record["state"] == "failed"
     assert "destination agent stopped answering" in record["error"]
     _check_vm(slow_vm, "A")
+
+
+def _kill_agent(host):
+    """SIGKILL the host's agent and its privsep daemon (the host's own PID namespace
+    holds only these), by pid, as systemd's kill of the unit would."""
+    pids = host.ns.run(["pgrep", "-f", "agents.agent.service"], check=False).stdout.split()
+    assert pids
+    host.ns.run(["kill", "-KILL", *pids], check=False)
+    processutil.wait_for(
+        lambda: not host.ns.run(["pgrep", "-f", "agents.agent.service"], check=False).stdout,
+        timeout=10,
+        what="the agent to die",
+    )
+    host.agent_socket.unlink(missing_ok=True)  # it outlives the agent
+
+
+def test_a_restarted_source_agent_reports_the_migration_it_was_killed_in(lab, slow_vm):
+    """Issue 18: the source agent dies mid-precopy; libvirt's job carries on
+    without it, and the restarted agent answers for the migration with the
+    state that matches where the VM runs."""
+    _, agent, mid = migrate_cli.start(lab, "slow", "B", mode="precopy", bandwidth_mib=12)
+    _wait_phase(agent, mid, "precopy")
+    time.sleep(1)
+    _kill_agent(lab.host("A"))
+    lab.host("A").start_agent()
+    restarted = lab.agent("A")
+    assert mid in [r["id"] for r in restarted.get("/v1/migrations")["migrations"]]
+    record = migrate_cli.follow(restarted, mid)
+    events = [text for _ts, text in record["events"]]
+    assert any("restarted during the migration" in text for text in events), events
+    assert record["explanation"] and record["mode"] == "precopy"
+    where = slow_vm.locate()
+    assert record["state"] == ("completed" if where == "B" else "failed"), (record, where)
+    if record["state"] == "failed":
+        assert "stayed on the source" in record["error"]
+    _check_vm(slow_vm, where)
 
 
 def test_cutting_the_fabric_during_precopy_aborts_and_keeps_the_vm(lab, slow_vm):
