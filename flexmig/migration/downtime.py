@@ -144,7 +144,7 @@ def predict(
     '115 ms (stop-and-copy 5, device state, finish and resume 40, first run 70)'
     """
     final_faults_s = min(store_faults.final_round_s, prediction.downtime_s)
-    stop_copy_s = max(0.0, prediction.downtime_s - final_faults_s - switchover_s)
+    stop_copy_s = stop_and_copy_s(prediction, switchover_s, store_faults)
     faults_s = 0.0
     if transfer == "postcopy":
         queued = PREEMPT_FAULT_BYTES if preempt else FAULT_QUEUE_BYTES
@@ -161,6 +161,19 @@ def predict(
     parts |= dest_writeback.parts_s()
     reasons = (dest_writeback.reason,) if dest_writeback.reason else ()
     return Forecast({name: round(s * 1000, 1) for name, s in parts.items()}, reasons)
+
+
+def stop_and_copy_s(
+    prediction: Prediction, switchover_s: float, store_faults: split.StoreFaults = split.NO_FAULTS
+) -> float:
+    """The last pages' copy: QEMU's downtime less its switchover and the final
+    round's faults on a split VM's store.
+
+    >>> round(stop_and_copy_s(Prediction("precopy", (), True, "", 5.0, 0.05, 0.045, 0), 0.04), 3)
+    0.005
+    """
+    final_faults_s = min(store_faults.final_round_s, prediction.downtime_s)
+    return max(0.0, prediction.downtime_s - final_faults_s - switchover_s)
 
 
 def switchover_sample(downtime_s: float, forecast: Forecast) -> float:

@@ -251,7 +251,7 @@ def destination_writeback(
     mem: GuestMemory,
     dest: DestinationFacts,
     mode: str,
-    split_dirty_bytes: float = 0.0,
+    split_dirty_bytes: float,
 ) -> writeback.SwitchoverWriteback:
     """What the destination writes back of this guest's memory file inside its downtime.
 
@@ -280,13 +280,10 @@ def guest_downtime(
     chosen: Knobs,
 ) -> downtime.Forecast:
     """The guest-observed downtime of the decided plan, part by part."""
-    # The last pages' copy: QEMU's downtime less its switchover and store faults.
-    stop_copy_s = (
-        decision.prediction.downtime_s
-        - link.switchover_s
-        - min(decision.store_faults.final_round_s, decision.prediction.downtime_s)
+    stop_copy_s = downtime.stop_and_copy_s(
+        decision.prediction, link.switchover_s, decision.store_faults
     )
-    final_round = max(0.0, stop_copy_s) * bandwidth
+    final_round = stop_copy_s * bandwidth
     dest_writeback = destination_writeback(
         request,
         vm.memory,
