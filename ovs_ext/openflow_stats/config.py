@@ -51,6 +51,19 @@ openflow_stats_opts = [
         help="Seconds a connection may stay silent (or leave a message half "
         "sent) before it is closed.",
     ),
+    cfg.FloatOpt(
+        "dump_reuse_s",
+        default=0.25,
+        min=0.0,
+        max=5.0,
+        help="Seconds an encoded answer to a flow dump (or aggregate) is served "
+        "again to every client asking for the same flows. Monitoring clients "
+        "polling the whole table then cost one encoding per interval, not one "
+        "each (20 clients dumping 10k flows kept the service's one interpreter "
+        "busy encoding). Counters only move at each statistics poll; a dump may "
+        "show them this much older than the last poll. 0: every request is "
+        "encoded anew.",
+    ),
     cfg.IntOpt(
         "datapath_id",
         default=0,

@@ -22,6 +22,7 @@ from oslo_config import cfg
 
 from flexmig import exceptions
 from ovs_ext.openflow_stats import config
+from ovs_ext.openflow_stats.dumps import SharedDumps
 from ovs_ext.openflow_stats.session import EndpointInfo, PortNameSource, RecordSource, Session
 
 LOG = logging.getLogger("flexmig.ovs_ext.openflow_stats")
@@ -64,6 +65,7 @@ class OpenFlowStatsServer:
         idle_timeout: float = 60.0,
         port_names: PortNameSource | None = None,
         info: EndpointInfo | None = None,
+        dump_reuse_s: float = 0.0,
     ) -> None:
         if not unix_socket and tcp_address is None:
             raise EndpointError(where="(nowhere)", reason="neither a UNIX socket nor TCP is set")
@@ -75,6 +77,8 @@ class OpenFlowStatsServer:
         self._tcp_address = tcp_address
         self._max_connections = max_connections
         self._idle_timeout = idle_timeout
+        # One per endpoint: every connection's dumps share its answers (dumps.py).
+        self._dumps = SharedDumps(dump_reuse_s) if dump_reuse_s > 0 else None
         self._listeners: list[socket.socket] = []
         self._connections: dict[int, _Connection] = {}
         self._selector: selectors.BaseSelector | None = None
@@ -106,6 +110,7 @@ class OpenFlowStatsServer:
             idle_timeout=opts.idle_timeout,
             port_names=port_names,
             info=EndpointInfo(datapath_id=opts.datapath_id),
+            dump_reuse_s=opts.dump_reuse_s,
         )
 
     # ------------------------------------------------------------ lifecycle
@@ -242,7 +247,7 @@ class OpenFlowStatsServer:
             sock.close()
             return
         sock.setblocking(False)
-        session = Session(self._records, self._port_names, self._info, peer)
+        session = Session(self._records, self._port_names, self._info, peer, self._dumps)
         conn = _Connection(sock, session, peer, time.monotonic())
         self._connections[sock.fileno()] = conn
         assert self._selector is not None

@@ -17,6 +17,7 @@ from flexmig import exceptions
 from ovs_ext.flow_record import FlowRecord
 from ovs_ext.openflow_stats import codec, codec10, ofp13, selection
 from ovs_ext.openflow_stats.codec import OpenFlowError
+from ovs_ext.openflow_stats.dumps import SharedDumps
 from ovs_ext.openflow_stats.ofp13 import BadRequestCode, ErrorType, MsgType, MultipartType
 
 LOG = logging.getLogger("flexmig.ovs_ext.openflow_stats")
@@ -97,8 +98,10 @@ class Session:
         port_names: PortNameSource | None = None,
         info: EndpointInfo | None = None,
         peer: str = "?",
+        dumps: SharedDumps | None = None,
     ) -> None:
         self._records = records
+        self._dumps = dumps  # answers shared with the other connections
         self._port_names = port_names
         self._info = info or EndpointInfo()
         self._peer = peer
@@ -268,12 +271,21 @@ class Session:
             parts = self._port_parts()
         elif kind == "tables":
             parts = self._table_parts()
-        elif kind == "flow":
-            selected = selection.select(decode_request(message), self._records())
-            parts = _encoded(selected, encode_entry)
-        else:
-            selected = selection.select(decode_request(message), self._records())
-            parts = [_aggregate_body(selected)]
+        else:  # flow or aggregate: decoded first, so a bad request is never kept
+            request = decode_request(message)
+
+            def answer() -> Iterable[bytes]:
+                selected = selection.select(request, self._records())
+                if kind == "aggregate":
+                    return [_aggregate_body(selected)]
+                return _encoded(selected, encode_entry)
+
+            if self._dumps is not None:
+                # The request without its header (xid): equal bodies, equal answers.
+                key = (self._version, bytes(message[ofp13.HEADER_LEN :]))
+                parts = self._dumps.answer(key, lambda: list(answer()))
+            else:
+                parts = answer()
         self._replies.append(encode_replies(stats_type, header.xid, parts))
 
     def _table_parts(self) -> list[bytes]:
