@@ -35,7 +35,15 @@ from ovs_ext.providers.base import FlowCounters, FlowMatch, OffloadError
 LOG = logging.getLogger("flexmig.ovs_ext.app")
 # A stats request unanswered this many intervals is given up and re-sent.
 STATS_REPLY_PATIENCE = 20
-STATUS_EVERY_POLL_UP_TO = 10_000  # flows
+# The status file is rewritten every poll up to this many flows, every
+# STATUS_BIG_EVERY_S above: at 10k flows one write is ~0.2 s of the interpreter
+# the packet-ins need (by time, not every nth poll: polls slow down with the
+# switch, see poll_pause, and every 10th of them left it 40 s old).
+STATUS_EVERY_POLL_UP_TO = 1000  # flows
+STATUS_BIG_EVERY_S = 1.0
+STATUS_INDENT_UP_TO = 1000  # flows
+COUNTED_MEMO_MAX = 100_000  # counting rules' matches memoised (see _counted_match)
+COUNTING_READ_EVERY_S = 1.0  # see _read_rules
 PURGE_TIMEOUT = 5  # s, ovs-appctl revalidator/purge
 
 
@@ -72,6 +80,8 @@ class OffloadApp(app_manager.OSKenApp):
         self.mac_ports: dict[str, str] = {}
         self._stats_parts: dict[int, FlowCounters] = {}
         self._learned_parts: dict[FlowMatch, FlowCounters] = {}
+        self._counted: dict[bytes, FlowMatch | None] = {}
+        self._counting_read_at = float("-inf")  # see _read_rules
         self._stats_sent_at: float | None = None
         self._handoffs_seen: set[int] = set()
         self.watched: dict[str, int] = {}
@@ -85,6 +95,7 @@ class OffloadApp(app_manager.OSKenApp):
         self._settle_xids: dict[int, Any] = {}
         self.rt.control.status_extras["bridge"] = lambda: {"judging": self.judging}
         self._polls = 0
+        self._status_written_at = float("-inf")
         self._poller = hub.spawn(self._poll_loop)
 
     # -- switch connection ---------------------------------------------------------
@@ -124,6 +135,7 @@ class OffloadApp(app_manager.OSKenApp):
                 restore.from_forgotten(control.flows, control.port_removed(port))
         self.port_names.clear()
         self.port_numbers.clear()
+        self._counted.clear()
         self.watched.clear()
         self.mac_ports.clear()
         self._stats_sent_at = None
@@ -156,6 +168,7 @@ class OffloadApp(app_manager.OSKenApp):
         self.send(openflow.delete_owned(dp.ofproto_parser, dp.ofproto))
         if self.rt.pipeline is None:
             self.send(openflow.table_miss_rule(dp.ofproto_parser, dp.ofproto))
+            self.send(openflow.judged_miss_rule(dp.ofproto_parser, dp.ofproto))
         else:  # Neutron's table-0 rules switch what the app does not judge
             self.send(self.rt.pipeline.set_controller_id(dp.ofproto_parser))
         self._rules_ready = True
@@ -212,6 +225,7 @@ class OffloadApp(app_manager.OSKenApp):
             return
         self.port_names[ofport] = name
         self.port_numbers[name] = ofport
+        self._counted.clear()
         with self.rt.lock:
             dispatchers = self.rt.control.dispatchers
             if not dispatchers.watches(name):
@@ -224,6 +238,7 @@ class OffloadApp(app_manager.OSKenApp):
         LOG.info("watching port %s (ofport %d)", name, ofport)
 
     def _port_down(self, ofport: int, name: str) -> None:
+        self._counted.clear()
         self.port_names.pop(ofport, None)
         self.port_numbers.pop(name, None)
         self.watched.pop(name, None)
@@ -306,7 +321,7 @@ class OffloadApp(app_manager.OSKenApp):
                 self._request_stats()
             except Exception:
                 LOG.exception("statistics poll failed")
-            self.rt.stopping.wait(max(0.0, self.rt.poll_interval - (time.monotonic() - started)))
+            self.rt.stopping.wait(poll_pause(self.rt.poll_interval, time.monotonic() - started))
 
     def _request_stats(self) -> None:
         dp = self.datapath
@@ -353,7 +368,7 @@ class OffloadApp(app_manager.OSKenApp):
     def _read_stats(self, dp: Any, reader: stats_reader.FlowStatsReader) -> None:
         """One poll through the reader's own connection, in the poller's thread."""
         try:
-            found = reader.read(flows.COOKIE_PREFIX << 48, flows.COOKIE_MASK, _wants_match)
+            found = self._read_rules(reader)
         except stats_reader.StatsReadError as exc:
             LOG.warning("statistics poll: %s", exc)
             return
@@ -364,6 +379,25 @@ class OffloadApp(app_manager.OSKenApp):
         learned_stats, self._learned_parts = self._learned_parts, {}
         if dp is self.datapath:  # not reconnected meanwhile
             self._apply_poll(dp, rule_stats, learned_stats)
+
+    def _read_rules(self, reader: stats_reader.FlowStatsReader) -> list[Any]:
+        """The flows' rules every poll; their counting rules at most every
+        COUNTING_READ_EVERY_S (standalone).  OVS encodes every rule a poll asks
+        for in its main thread, which also applies the app's flow-mods and the
+        learnt rules: 20k rules every 50 ms starved it (new flows' packets were
+        lost).  A counting rule only counts the packets a flow sends before its
+        own rule is in (milliseconds), and counts never go down (see
+        FlowManager.observe_learned_stats): read later, they are the same.
+        Beside Neutron every owned rule is read (the hand-offs are checked)."""
+        if self.rt.pipeline is not None:
+            return reader.read(flows.COOKIE_PREFIX << 48, flows.COOKIE_MASK, _wants_match)
+        kind_mask = flows.COOKIE_MASK | (0xFF << 40)
+        found = reader.read(flows.flow_cookie(0), kind_mask, _wants_match)
+        now = time.monotonic()
+        if now - self._counting_read_at >= COUNTING_READ_EVERY_S:
+            found += reader.read(flows.counting_cookie(), kind_mask, _wants_match)
+            self._counting_read_at = now
+        return found
 
     def _apply_poll(
         self,
@@ -381,10 +415,13 @@ class OffloadApp(app_manager.OSKenApp):
                 provider_stats = {}
             report = control.poll(rule_stats, provider_stats, learned_stats)
             self._polls += 1
-            # Every poll while small; a big table is rewritten less often.
-            every = 1 if len(control.flows) <= STATUS_EVERY_POLL_UP_TO else 10
-            status = control.status() if self.rt.status_file and self._polls % every == 0 else None
+            now = time.monotonic()
+            due = len(control.flows) <= STATUS_EVERY_POLL_UP_TO or (
+                now - self._status_written_at >= STATUS_BIG_EVERY_S
+            )
+            status = control.status() if self.rt.status_file and due else None
         if status is not None:  # encoded and written without the lock packet-ins wait for
+            self._status_written_at = now
             _write_json(self.rt.status_file, status)
         for flow in report.expired:
             exact = openflow.delete_owned(dp.ofproto_parser, dp.ofproto, flow.cookie, 2**64 - 1)
@@ -407,10 +444,24 @@ class OffloadApp(app_manager.OSKenApp):
         if flow_id is not None:
             self._stats_parts[flow_id] = counters
         elif flows.is_counting_cookie(stat.cookie):
-            port = self.port_names.get(stat.match.get("in_port"))
-            match = openflow.counted_match(stat.match, port)
+            match = self._counted_match(stat)
             if match is not None:
                 self._learned_parts[match] = counters
+
+    def _counted_match(self, stat: Any) -> FlowMatch | None:
+        """The flow a counting rule counts for, memoised by the rule's raw match
+        (the reader's): building and validating 10k FlowMatches was a tenth of
+        every poll.  Cleared whenever a port comes or goes."""
+        key = getattr(stat, "match_key", b"")
+        if key and key in self._counted:
+            return self._counted[key]
+        port = self.port_names.get(stat.match.get("in_port"))
+        match = openflow.counted_match(stat.match, port)
+        if key:
+            if len(self._counted) > COUNTED_MEMO_MAX:
+                self._counted.clear()
+            self._counted[key] = match
+        return match
 
     def _restore_handoffs(self) -> None:
         """Beside Neutron: re-add the hand-off rules Neutron's resync deleted (it
@@ -483,6 +534,19 @@ class OffloadApp(app_manager.OSKenApp):
         self._barrier_done.set()
 
 
+def poll_pause(interval: float, took: float) -> float:
+    """The pause before the next poll: what is left of the interval, but never
+    less than the poll took.  A poll of a big table makes ovs-vswitchd's main
+    thread encode every rule, and that thread also forwards (the userspace
+    datapath) and applies flow-mods: polls back to back on a loaded host kept it
+    from doing either (docs/benchmarks/offload-load.md).
+
+    >>> poll_pause(0.1, 0.02), poll_pause(0.1, 0.4)
+    (0.08, 0.4)
+    """
+    return max(interval - took, took)
+
+
 def _wants_match(_table: int, cookie: int) -> bool:
     """A counting rule is known by its match; every other rule by its cookie."""
     return flows.is_counting_cookie(cookie)
@@ -501,7 +565,10 @@ _WRITE_LOCK = threading.Lock()
 
 def _write_json(path: str, data: object) -> None:
     target = Path(path)
-    text = json.dumps(data, indent=1)
+    # Indented for a person while small; compact when big (3x faster to encode:
+    # 10k flows took 0.3 s indented, with the interpreter lock held).
+    big = isinstance(data, dict) and len(data.get("flows", ())) > STATUS_INDENT_UP_TO
+    text = json.dumps(data, separators=(",", ":")) if big else json.dumps(data, indent=1)
     with _WRITE_LOCK:
         tmp = target.with_name(f".{target.name}.{os.getpid()}")
         tmp.write_text(text)

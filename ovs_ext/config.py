@@ -11,6 +11,7 @@ import math
 from oslo_config import cfg
 
 GROUP = "offload"
+STATS_SOCKET_AUTO = "auto"
 PROVIDER_NAMESPACE = "flexmig.offload_providers"
 
 offload_opts = [
@@ -162,13 +163,15 @@ offload_opts = [
     ),
     cfg.StrOpt(
         "stats_socket",
-        default="",
-        help="The bridge's management socket (ovs-ofctl's: OVS's rundir/<bridge>.mgmt, "
-        "e.g. /var/run/openvswitch/br-int.mgmt). When set, statistics polls read the "
-        "app's rules through a connection of their own there, parsing only counters "
-        "and cookies, instead of through the controller connection, whose full "
-        "parse of every rule takes seconds at 10k flows and delays packet-ins. "
-        "Empty: through the controller connection.",
+        default=STATS_SOCKET_AUTO,
+        help="Where statistics polls read the app's rules: the bridge's management "
+        "socket (ovs-ofctl's: OVS's rundir/<bridge>.mgmt), on a connection of "
+        "their own, parsing only counters and cookies, in the poller's thread. "
+        f"'{STATS_SOCKET_AUTO}' (default): $OVS_RUNDIR (else /var/run/openvswitch)"
+        "/<bridge>.mgmt, or the controller connection if that socket is not "
+        "there at start. A path: that socket. Empty: through the controller "
+        "connection, whose full parse of every rule (1-2 s at 10k flows) runs in "
+        "the thread that takes packet-ins and delays new flows.",
     ),
     cfg.StrOpt(
         "counters_file",

@@ -332,7 +332,7 @@ class OffloadControl:
             flows.append(
                 {
                     "id": flow.flow_id,
-                    "match": dataclasses.asdict(flow.match),
+                    "match": _match_fields(flow.match),
                     "owner": flow.owner,
                     "direction": flow.direction.value,
                     "out_port": flow.out_port,
@@ -358,6 +358,15 @@ class OffloadControl:
             "fast_path_ports": sorted(self.dispatchers.fast_path_ports),
             "flows": flows,
         } | {name: produce() for name, produce in self.status_extras.items()}
+
+
+def _match_fields(match: FlowMatch) -> dict[str, object]:
+    """``dataclasses.asdict(match)``, spelt out: it recurses and copies, 10x
+    slower, and the status file takes it for every flow."""
+    return {
+        "in_port": match.in_port, "ip_proto": match.ip_proto, "ipv4_src": match.ipv4_src,
+        "ipv4_dst": match.ipv4_dst, "tp_src": match.tp_src, "tp_dst": match.tp_dst,
+    }  # fmt: skip
 
 
 def _fmt(match: FlowMatch) -> str:

@@ -5,11 +5,12 @@ the unit tests) and a header parser for packet-ins.  Three kinds of rule, all
 tagged with cookies under :data:`~ovs_ext.flows.COOKIE_MASK`:
 
 - per watched port (VM ports and uplinks), priority 10: IPv4 TCP and UDP
-  are switched NORMAL by the bridge itself, a header copy goes to the app to
-  be judged, and a ``learn`` action creates the flow's *counting rule* in
-  :data:`~ovs_ext.flows.COUNTING_TABLE` which the packet then traverses
-  (see "Why a counting rule" below); ARP goes to the controller (truncated)
-  *and* NORMAL, so the app learns which port each MAC sits behind;
+  are switched NORMAL by the bridge itself, a ``learn`` action creates the
+  flow's *counting rule* in :data:`~ovs_ext.flows.COUNTING_TABLE` which the
+  packet then traverses (see "Why a counting rule" below), and a header copy
+  of the flow's *first* packet goes to the app to be judged (see "One copy per
+  flow"); ARP goes to the controller (truncated) *and* NORMAL, so the app
+  learns which port each MAC sits behind;
 - per flow, priority 100: the 5-tuple on its in_port, NORMAL — the rule whose
   counters are the flow's onloaded traffic;
 - a priority-0 NORMAL rule for everything else (ICMP, other ethertypes,
@@ -28,6 +29,17 @@ once, by the push, either to the flow's rule (pushed after it exists) or to its
 counting rule (pushed before): first + counting + flow rule = what passed.
 The learn also reads the whole 5-tuple, so the datapath flow is per flow, never
 a megaflow that would credit another flow's packets to this one.
+
+One copy per flow: the copy to the app is the judged table's miss rule
+(:data:`~ovs_ext.flows.JUDGED_TABLE`), reached last.  The discovery rule also
+learns a mark for the flow there; OVS translates a packet against the tables as
+they were when it started, so the packet that learns the mark misses it and is
+copied, and every later one (until the flow's own rule exists) finds it and is
+not.  Before, every packet of a new flow went to the app until its rule was
+in: 3 packet-ins per 3-packet flow, and a datapath flow slow-pathed for each
+(docs/benchmarks/offload-load.md).  The mark expires after JUDGED_HOLD_S, so a
+copy OVS dropped is sent again.  Beside Neutron (ovs_ext/neutron.py) every
+packet is still copied until the rule exists.
 """
 
 from __future__ import annotations
@@ -49,6 +61,10 @@ JUDGE_MAX_LEN = 128  # Ethernet + the longest IPv4 header + the L4 ports
 # A counting rule outlives its flow's rule only until it has been idle this
 # long (the app also deletes it with the flow); its last counters are kept.
 COUNTING_IDLE_TIMEOUT = 30
+# How long a flow's judged mark stops copies to the app (see judged_learn): far
+# longer than the app takes to install the flow's rule (ms), short enough that a
+# copy OVS dropped is sent again soon.
+JUDGED_HOLD_S = 2
 OFPCML_NO_BUFFER = 0xFFFF
 OFP_NO_BUFFER = 0xFFFFFFFF
 # The note in a flow rule: the length of the flow's first packet (see flow_rule).
@@ -127,9 +143,10 @@ def discovery_rules(parser: ModuleType, ofproto: ModuleType, ofport: int) -> lis
             parser.OFPMatch(in_port=ofport, eth_type=ETH_TYPE_IPV4, ip_proto=proto),
             [
                 counting_learn(parser, proto),
+                judged_learn(parser, proto),
                 parser.NXActionResubmitTable(table_id=flows.COUNTING_TABLE),
                 parser.OFPActionOutput(ofproto.OFPP_NORMAL),
-                parser.OFPActionOutput(ofproto.OFPP_CONTROLLER, JUDGE_MAX_LEN),
+                parser.NXActionResubmitTable(table_id=flows.JUDGED_TABLE),
             ],
         )  # fmt: skip
         for proto in (IPPROTO_TCP, IPPROTO_UDP)
@@ -154,12 +171,49 @@ def discovery_rules(parser: ModuleType, ofproto: ModuleType, ofport: int) -> lis
 def counting_learn(parser: ModuleType, proto: int, table: int = flows.COUNTING_TABLE) -> Any:
     """``learn``: the packet's exact 5-tuple on its in_port, no actions, in the
     counting table (a rule that only counts what traverses it)."""
+    return parser.NXActionLearn(
+        table_id=table,
+        specs=_five_tuple_specs(parser, proto),
+        idle_timeout=COUNTING_IDLE_TIMEOUT,
+        priority=flows.FLOW_PRIORITY,
+        cookie=flows.counting_cookie(),
+    )
+
+
+def judged_learn(parser: ModuleType, proto: int) -> Any:
+    """``learn``: a mark for the packet's flow in the judged table, which stops
+    the copies to the app once the first is sent (see discovery_rules).  It
+    lasts JUDGED_HOLD_S whatever the traffic: if that copy was lost (OVS drops
+    packet-ins the app is too slow to read) the flow is copied again."""
+    return parser.NXActionLearn(
+        table_id=flows.JUDGED_TABLE,
+        specs=_five_tuple_specs(parser, proto),
+        hard_timeout=JUDGED_HOLD_S,
+        priority=flows.FLOW_PRIORITY,
+        cookie=flows.judged_cookie(),
+    )
+
+
+def judged_miss_rule(parser: ModuleType, ofproto: ModuleType) -> Any:
+    """The judged table's rule for a flow with no mark yet: copy it to the app."""
+    return _flow_mod(
+        parser,
+        ofproto,
+        flows.judged_cookie(),
+        0,
+        parser.OFPMatch(),
+        [parser.OFPActionOutput(ofproto.OFPP_CONTROLLER, JUDGE_MAX_LEN)],
+        table=flows.JUDGED_TABLE,
+    )
+
+
+def _five_tuple_specs(parser: ModuleType, proto: int) -> list[Any]:
     l4 = "tcp" if proto == IPPROTO_TCP else "udp"
 
     def copy(field: str, bits: int) -> Any:
         return parser.NXFlowSpecMatch(src=(field, 0), dst=(field, 0), n_bits=bits)
 
-    specs = [
+    return [
         copy("in_port", 32),
         parser.NXFlowSpecMatch(src=ETH_TYPE_IPV4, dst=("eth_type", 0), n_bits=16),
         parser.NXFlowSpecMatch(src=proto, dst=("ip_proto", 0), n_bits=8),
@@ -168,13 +222,6 @@ def counting_learn(parser: ModuleType, proto: int, table: int = flows.COUNTING_T
         copy(f"{l4}_src", 16),
         copy(f"{l4}_dst", 16),
     ]
-    return parser.NXActionLearn(
-        table_id=table,
-        specs=specs,
-        idle_timeout=COUNTING_IDLE_TIMEOUT,
-        priority=flows.FLOW_PRIORITY,
-        cookie=flows.counting_cookie(),
-    )
 
 
 def table_miss_rule(parser: ModuleType, ofproto: ModuleType) -> Any:
@@ -239,6 +286,7 @@ def delete_judging_rules(parser: ModuleType, ofproto: ModuleType) -> list[Any]:
             flows.COOKIE_KIND_DISCOVERY,
             flows.COOKIE_KIND_FLOW,
             flows.COOKIE_KIND_COUNTING,
+            flows.COOKIE_KIND_JUDGED,
         )
     ]
 
@@ -302,11 +350,11 @@ def delete_counting_rules(parser: ModuleType, ofproto: ModuleType, in_port: int,
 
 
 def _flow_mod(parser: ModuleType, ofproto: ModuleType, cookie: int, priority: int,
-              match: Any, actions: list[Any]) -> Any:  # fmt: skip
+              match: Any, actions: list[Any], table: int = flows.FLOW_TABLE) -> Any:  # fmt: skip
     return parser.OFPFlowMod(
         datapath=None,
         cookie=cookie,
-        table_id=flows.FLOW_TABLE,
+        table_id=table,
         command=ofproto.OFPFC_ADD,
         priority=priority,
         buffer_id=OFP_NO_BUFFER,

@@ -151,6 +151,7 @@ def _start_stats_endpoint(conf: cfg.ConfigOpts, runtime: Runtime) -> OpenFlowSta
         idle_timeout=opts.idle_timeout,
         port_names=port_names,
         info=EndpointInfo(datapath_id=runtime.datapath_id or 0),
+        dump_reuse_s=opts.dump_reuse_s,
     )
     server.start()
     return server
@@ -208,11 +209,30 @@ def prepare(argv: list[str]) -> tuple[cfg.ConfigOpts, Runtime]:
     runtime = Runtime(control, opts.bridge, opts.poll_interval, opts.status_file)
     runtime.datapath_id = datapath_id
     runtime.pipeline = pipeline
-    if opts.stats_socket:
-        runtime.stats_reader = stats_reader.FlowStatsReader(
-            opts.stats_socket, timeout=STATS_READ_TIMEOUT
-        )
+    socket_path = stats_socket_path(opts.stats_socket, opts.bridge)
+    if socket_path:
+        runtime.stats_reader = stats_reader.FlowStatsReader(socket_path, timeout=STATS_READ_TIMEOUT)
     return conf, runtime
+
+
+def stats_socket_path(setting: str, bridge: str) -> str:
+    """The management socket polls read through ([offload] stats_socket); empty:
+    the controller connection.  'auto' is the bridge's own in OVS's rundir,
+    when it is there.
+
+    >>> stats_socket_path("", "br-int")
+    ''
+    >>> stats_socket_path("/tmp/x.mgmt", "br-int")
+    '/tmp/x.mgmt'
+    """
+    if setting != config.STATS_SOCKET_AUTO:
+        return setting
+    rundir = os.environ.get("OVS_RUNDIR") or "/var/run/openvswitch"
+    path = os.path.join(rundir, f"{bridge}.mgmt")
+    if not os.path.exists(path):
+        LOG.warning("no %s: statistics are read through the controller connection", path)
+        return ""
+    return path
 
 
 def take_kept_counters(control: OffloadControl, path: str) -> int:

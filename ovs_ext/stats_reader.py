@@ -14,10 +14,9 @@ need the rules' instructions (the first-packet note).
 
 from __future__ import annotations
 
-import dataclasses
 import socket
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 OFP_VERSION = 4  # OpenFlow 1.3
 OFPT_HELLO, OFPT_ERROR, OFPT_ECHO_REQUEST, OFPT_ECHO_REPLY = 0, 1, 2, 3
@@ -37,21 +36,26 @@ OXM_HEAD = struct.Struct("!HBB")
 OXM_FIELDS = {0: "in_port", 5: "eth_type", 10: "ip_proto", 11: "ipv4_src", 12: "ipv4_dst",
               13: "tcp_src", 14: "tcp_dst", 15: "udp_src", 16: "udp_dst"}  # fmt: skip
 MAX_MESSAGE = 65535
+MAX_DECODED = 100_000  # matches memoised between polls (a few per tracked flow)
 
 
 class StatsReadError(OSError):
     """The bridge could not be asked or answered something else."""
 
 
-@dataclasses.dataclass(frozen=True)
-class RuleStats:
-    """One rule of a flow-stats reply, as the app's ``_collect`` reads it."""
+class RuleStats(NamedTuple):
+    """One rule of a flow-stats reply, as the app's ``_collect`` reads it (a
+    tuple: a poll builds 20k of them, and a frozen dataclass's init was a third
+    of the parse)."""
 
     table_id: int
     cookie: int
     packet_count: int
     byte_count: int
     match: dict[str, Any]
+    # The match's raw OXM bytes when decoded (b"" otherwise): the same rule has
+    # the same bytes every poll, so callers can memoise what they make of it.
+    match_key: bytes = b""
 
 
 def flow_stats_request(xid: int, cookie: int, cookie_mask: int) -> bytes:
@@ -79,23 +83,33 @@ def match_fields(raw: bytes, offset: int, length: int) -> dict[str, Any]:
     return fields
 
 
-def parse_flow_stats(body: bytes, wants_match: Any = lambda table, cookie: True) -> list[RuleStats]:
+def parse_flow_stats(
+    body: bytes,
+    wants_match: Any = lambda table, cookie: True,
+    decoded: dict[bytes, dict[str, Any]] | None = None,
+) -> list[RuleStats]:
     """The entries of one OFPMP_FLOW reply body; matches decoded only where
-    ``wants_match(table, cookie)`` (a flow's rule is known by its cookie alone)."""
-    found, offset = [], 0
-    while offset + ENTRY.size <= len(body):
+    ``wants_match(table, cookie)`` (a flow's rule is known by its cookie alone).
+    ``decoded`` memoises matches by their raw bytes across replies (callers
+    bound its size); the dicts it holds are shared: read them only."""
+    found, offset, end = [], 0, len(body)
+    memo = {} if decoded is None else decoded
+    unpack_entry, unpack_match = ENTRY.unpack_from, MATCH_HEAD.unpack_from
+    while offset + ENTRY.size <= end:
         length, table, _sec, _nsec, _prio, _idle, _hard, _flags, cookie, packets, nbytes = (
-            ENTRY.unpack_from(body, offset)
+            unpack_entry(body, offset)
         )
-        if length < ENTRY.size or offset + length > len(body):
+        if length < ENTRY.size or offset + length > end:
             raise StatsReadError(f"flow-stats entry of {length} bytes at {offset}")
-        match_length = MATCH_HEAD.unpack_from(body, offset + ENTRY.size)[1]
-        fields = (
-            match_fields(body, offset + ENTRY.size, match_length)
-            if wants_match(table, cookie)
-            else {}
-        )
-        found.append(RuleStats(table, cookie, packets, nbytes, fields))
+        if wants_match(table, cookie):
+            at = offset + ENTRY.size
+            raw = body[at : at + unpack_match(body, at)[1]]
+            fields = memo.get(raw)
+            if fields is None:
+                fields = memo[raw] = match_fields(raw, 0, len(raw))
+            found.append(RuleStats(table, cookie, packets, nbytes, fields, raw))
+        else:
+            found.append(RuleStats(table, cookie, packets, nbytes, {}))
         offset += length
     return found
 
@@ -108,6 +122,7 @@ class FlowStatsReader:
         self.timeout = timeout
         self._sock: socket.socket | None = None
         self._xid = 0
+        self._decoded: dict[bytes, dict[str, Any]] = {}
 
     def read(self, cookie: int, cookie_mask: int, wants_match: Any) -> list[RuleStats]:
         """Every rule whose cookie matches; StatsReadError (connection closed) on failure."""
@@ -115,6 +130,8 @@ class FlowStatsReader:
             sock = self._connected()
             self._xid = (self._xid + 1) & 0xFFFFFFFF
             sock.sendall(flow_stats_request(self._xid, cookie, cookie_mask))
+            if len(self._decoded) > MAX_DECODED:  # rules come and go: start over
+                self._decoded = {}
             found: list[RuleStats] = []
             while True:
                 kind, xid, body = self._message(sock)
@@ -128,7 +145,7 @@ class FlowStatsReader:
                     continue  # nothing else is asked on this connection
                 part, flags = MULTIPART.unpack_from(body)[:2]
                 if part == OFPMP_FLOW:
-                    found += parse_flow_stats(body[MULTIPART.size :], wants_match)
+                    found += parse_flow_stats(body[MULTIPART.size :], wants_match, self._decoded)
                 if not flags & OFPMPF_REPLY_MORE:
                     return found
         except (OSError, struct.error) as exc:

@@ -257,11 +257,12 @@ def start_mice(eps, flows: int, port: int) -> subprocess.Popen:
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
 
 
-def run(lab, eps, trials: int, stats_socket: str = "", index: int = 0) -> Result:
-    """One configuration; ``index`` keeps its flows apart from an earlier one's
-    (a restart carries the counters of flows not yet idle)."""
+def run(lab, eps, trials: int, stats_socket: str | None = None, index: int = 0) -> Result:
+    """One configuration (``stats_socket``: the [offload] option, None: its
+    default); ``index`` keeps its flows apart from an earlier one's (a restart
+    carries the counters of flows not yet idle)."""
     service = offload.LabOffload(lab.host("A"))
-    options = OPTIONS + (f"stats_socket = {stats_socket}\n" if stats_socket else "")
+    options = OPTIONS + (f"stats_socket = {stats_socket}\n" if stats_socket is not None else "")
     service.start(POLICY, poll_interval=POLL_S, options=options)
     mice_port, first_elephant = MICE_PORT + index, 30000 + 100 * index
     result = Result()
@@ -394,9 +395,9 @@ def render(result: Result, trials: int, title: str = "") -> str:
 
 
 CONFIGS = (
-    ("Statistics through the controller connection (the default)", ""),
-    ("Statistics through [offload] stats_socket (the app's own reader)",
-     "/run/openvswitch/br-int.mgmt"),
+    ("Statistics through the app's own reader (the default: [offload] stats_socket = auto)",
+     None),
+    ("Statistics through the controller connection ([offload] stats_socket empty)", ""),
 )  # fmt: skip
 HEADER_TEXT = """# Offload service under load: 10k active flows, 1,000 new flows/s, 20 dumpers
 

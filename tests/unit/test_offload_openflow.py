@@ -54,23 +54,44 @@ def _counting_learn(proto, l4):
             openflow.COUNTING_IDLE_TIMEOUT, specs)  # fmt: skip
 
 
+def _judged_learn(proto, l4):
+    specs = _counting_learn(proto, l4)[5]
+    return ("learn", flows.JUDGED_TABLE, 100, "0xf1e0050000000000", 0, specs)
+
+
 def test_discovery_rules_switch_tcp_udp_count_them_per_flow_and_copy_the_app():
     rules = [golden(m) for m in openflow.discovery_rules(parser, ofp, 7)]
-    # Each new TCP/UDP flow: its exact counting rule learnt and traversed, switched
-    # NORMAL by the bridge, its headers copied to the app to be judged.
+    # Each new TCP/UDP flow: its exact counting rule and its judged mark learnt,
+    # the counting rule traversed, switched NORMAL by the bridge, then the judged
+    # table (which copies the headers to the app unless the mark is there).
     assert rules == [
         {"cookie": "0xf1e0020000000007", "command": ofp.OFPFC_ADD, "priority": 10,
          "match": {"in_port": 7, "eth_type": 0x800, "ip_proto": 6},
-         "actions": [_counting_learn(6, "tcp"), ("resubmit", flows.COUNTING_TABLE),
-                     (ofp.OFPP_NORMAL, ofp.OFPCML_MAX), (ofp.OFPP_CONTROLLER, 128)]},
+         "actions": [_counting_learn(6, "tcp"), _judged_learn(6, "tcp"),
+                     ("resubmit", flows.COUNTING_TABLE), (ofp.OFPP_NORMAL, ofp.OFPCML_MAX),
+                     ("resubmit", flows.JUDGED_TABLE)]},
         {"cookie": "0xf1e0020000000007", "command": ofp.OFPFC_ADD, "priority": 10,
          "match": {"in_port": 7, "eth_type": 0x800, "ip_proto": 17},
-         "actions": [_counting_learn(17, "udp"), ("resubmit", flows.COUNTING_TABLE),
-                     (ofp.OFPP_NORMAL, ofp.OFPCML_MAX), (ofp.OFPP_CONTROLLER, 128)]},
+         "actions": [_counting_learn(17, "udp"), _judged_learn(17, "udp"),
+                     ("resubmit", flows.COUNTING_TABLE), (ofp.OFPP_NORMAL, ofp.OFPCML_MAX),
+                     ("resubmit", flows.JUDGED_TABLE)]},
         {"cookie": "0xf1e0020000000007", "command": ofp.OFPFC_ADD, "priority": 10,
          "match": {"in_port": 7, "eth_type": 0x806},
          "actions": [(ofp.OFPP_CONTROLLER, 64), (ofp.OFPP_NORMAL, ofp.OFPCML_MAX)]},
     ]  # fmt: skip
+
+
+def test_the_judged_mark_holds_copies_back_for_a_while_and_the_miss_copies():
+    mark = openflow.judged_learn(parser, 6)
+    assert (mark.hard_timeout, mark.idle_timeout) == (openflow.JUDGED_HOLD_S, 0)
+    miss = openflow.judged_miss_rule(parser, ofp)
+    assert miss.table_id == flows.JUDGED_TABLE
+    assert (golden(miss)["priority"], golden(miss)["match"], golden(miss)["actions"]) == (
+        0, {}, [(ofp.OFPP_CONTROLLER, openflow.JUDGE_MAX_LEN)]
+    )  # fmt: skip
+    # Marks and the miss rule are not counting rules: a poll never reads them as counts.
+    assert not flows.is_counting_cookie(flows.judged_cookie())
+    assert flows.cookie_flow_id(flows.judged_cookie()) is None
 
 
 def test_flow_rule_matches_the_five_tuple_and_switches_normal():
@@ -110,6 +131,7 @@ def test_table_miss_is_normal_and_exit_keeps_it():
         flows.COOKIE_KIND_DISCOVERY,
         flows.COOKIE_KIND_FLOW,
         flows.COOKIE_KIND_COUNTING,
+        flows.COOKIE_KIND_JUDGED,
     ]
     assert flows.COOKIE_KIND_TABLE_MISS not in kinds
     everything = openflow.delete_owned(parser, ofp)
