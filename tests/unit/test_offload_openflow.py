@@ -164,8 +164,13 @@ def test_counting_rules_are_deleted_per_flow_or_per_port():
     one = openflow.delete_counting_rules(parser, ofp, 3, match)
     port = openflow.delete_counting_rules(parser, ofp, 3)
     for mod in (one, port):
-        assert mod.command == ofp.OFPFC_DELETE and mod.table_id == flows.COUNTING_TABLE
+        assert mod.table_id == flows.COUNTING_TABLE
         assert mod.cookie == flows.counting_cookie() and mod.cookie_mask == 0xFFFFFF << 40
+    # One flow's: strict (OVS looks it up instead of visiting the whole table),
+    # at the priority counting_learn gives it; a port's: every match under in_port.
+    assert (one.command, one.priority) == (ofp.OFPFC_DELETE_STRICT, flows.FLOW_PRIORITY)
+    assert openflow.counting_learn(parser, 6).priority == flows.FLOW_PRIORITY
+    assert port.command == ofp.OFPFC_DELETE
     assert dict(one.match.items())["tcp_dst"] == 5201
     assert dict(port.match.items()) == {"in_port": 3}
 
