@@ -295,7 +295,7 @@ class Reconciler:
         try:
             dest = self.destination(record)
             started = time.monotonic()
-            first_round = None
+            first_round, aborted = None, ""
             verdict, source = self.look(record, dest)
             while verdict.action == reconcile.FOLLOW:
                 if time.monotonic() > started + self.timeout_s:
@@ -304,9 +304,13 @@ class Reconciler:
                 round_now = record.progress.get("memory_iteration", 0)
                 first_round = round_now if first_round is None else first_round
                 followed_s = time.monotonic() - started
-                self._bound_orphan(record, source, round_now - first_round, followed_s)
+                aborted = aborted or self._bound_orphan(
+                    record, source, round_now - first_round, followed_s
+                )
                 time.sleep(self.poll_s)
                 verdict, source = self.look(record, dest)
+            if aborted and verdict.vm_here:
+                verdict = dataclasses.replace(verdict, note=f"{reconcile.RESTARTED}: {aborted}")
             self.settle(record, verdict, dest)
         except Exception as exc:  # the record must end whatever went wrong here
             error = exceptions.InternalError(action=f"reconciling {record.id}", error=repr(exc))
@@ -315,20 +319,24 @@ class Reconciler:
 
     def _bound_orphan(
         self, record: MigrationRecord, source: SourceView, rounds: int, followed_s: float
-    ) -> None:
+    ) -> str:
         """Abort a precopy no agent drives any more once it proves stuck (the
-        next look then finds the VM whole on the source and settles)."""
+        next look then finds the VM whole on the source and settles); what was
+        done, "" when nothing."""
         if not source.job_active or not reconcile.abort_orphaned_precopy(
             source.domain, rounds, followed_s, self.converge_timeout_s
         ):
-            return
-
+            return ""
         try:
             self.abort_job(record.vm)
-            record.event(reconcile.orphan_aborted(rounds, followed_s))
+            done = reconcile.orphan_aborted(rounds, followed_s)
         except exceptions.FlexMigError as exc:
+            done = ""
             record.event(f"aborting libvirt's stuck precopy failed: {exc}")
+        if done:
+            record.event(done)
         self.store.save(record)
+        return done
 
     def abort_job(self, vm: str) -> None:
         """Abort the source's migration job of ``vm`` (bounded)."""
