@@ -148,6 +148,8 @@ def fabric_from(
     (200.0, 200.0)
     >>> fabric_from(links, 256 * MIB, link_mib=100).link_bps / MIB
     100.0
+    >>> f.switchover_learned
+    False
     """
     probed = [v["fabric_bps"] for v in links.values() if v.get("fabric_bps")]
     link = link_mib * MIB if link_mib else min(probed, default=initial_stream_bps)
@@ -161,6 +163,7 @@ def fabric_from(
         stream_bps=min(stream, link),
         setup_s=(statistics.mean(setups) if setups else 0.5) + AGENT_OVERHEAD_S,
         switchover_s=statistics.mean(switchovers) if switchovers else 0.05,
+        switchover_learned=bool(switchovers),
     )
 
 

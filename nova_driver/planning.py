@@ -141,6 +141,7 @@ def plan(
         # the store's write rate prices a file-backed guest's writeback at switchover.
         store_write_bps=_number(dest_facts, "store_write_bps"),
         store_fault_s=_number(dest_facts, "store_fault_s"),
+        store_folio_bytes=int(_number(dest_facts, "store_folio_bytes")),
         store_shares_libvirt_fs=dest_facts.get("store_shares_libvirt_fs"),
     )
     try:

@@ -83,20 +83,19 @@ def available(fd: int) -> bool:
     return True
 
 
-def dirty_pages(fd: int, chunks: int, chunk_bytes: int) -> list[int]:
-    """Dirty pages in each of the first ``chunks`` chunks of the file.
+def chunk_pages(fd: int, chunks: int, chunk_bytes: int) -> tuple[list[int], list[int]]:
+    """Cached and dirty pages in each of the first ``chunks`` chunks of the file.
 
-    One call per chunk, reusing its buffers: 1,024 chunks (a 1 GiB guest)
-    every keeper interval.
+    Cached counts what the page cache holds whether or not a process maps it:
+    what the VM's memory cgroup is charged for.  One call per chunk, reusing
+    its buffers: 1,024 chunks (a 1 GiB guest) every keeper interval.
     """
     _machine_has_it()
-    rng, out, counts = _Range(0, chunk_bytes), _Stat(), []
-    whole = _Stat()
-    _call(fd, _Range(0, chunks * chunk_bytes), whole)
-    if not whole.nr_dirty:  # nothing written since the last writeback: one call said so
-        return [0] * chunks
+    rng, out = _Range(0, chunk_bytes), _Stat()
+    cached, dirty = [], []
     for chunk in range(chunks):
         rng.off = chunk * chunk_bytes
         _call(fd, rng, out)
-        counts.append(out.nr_dirty)
-    return counts
+        cached.append(out.nr_cache)
+        dirty.append(out.nr_dirty)
+    return cached, dirty

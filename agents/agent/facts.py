@@ -21,6 +21,7 @@ from flexmig.migration.knobs import HostSoftware
 
 MIB = 2**20
 PAGE = 4096
+PMD_BYTES = 2 * MIB
 
 
 def _mem_available() -> int:
@@ -47,6 +48,8 @@ class StoreProbe:
     write_bps: float  # written in 1 MiB chunks, then made durable
     fault_s: float  # median time of one fault on a page not in memory (a 4 MiB read)
     fault_pages: int | None  # pages one such fault brought in (None: cachestat missing)
+    # The page cache's folio size there, which reclaim frees at a time (None: not seen).
+    folio_bytes: int | None = None
 
 
 def probe_store(store_dir: str, nbytes: int = STORE_PROBE_BYTES) -> StoreProbe:
@@ -55,8 +58,8 @@ def probe_store(store_dir: str, nbytes: int = STORE_PROBE_BYTES) -> StoreProbe:
     try:
         nbytes = max(FAULT_STRIDE_BYTES, nbytes // MIB * MIB)
         write_bps = _timed_write(fd, nbytes)
-        fault_s, fault_pages = _timed_faults(fd, nbytes)
-        return StoreProbe(write_bps, fault_s, fault_pages)
+        fault_s, fault_pages, folio_bytes = _timed_faults(fd, nbytes, path)
+        return StoreProbe(write_bps, fault_s, fault_pages, folio_bytes)
     finally:
         os.close(fd)
         os.unlink(path)
@@ -71,9 +74,10 @@ def _timed_write(fd: int, nbytes: int) -> float:
     return nbytes / max(time.monotonic() - start, 1e-6)
 
 
-def _timed_faults(fd: int, nbytes: int) -> tuple[float, int | None]:
-    """(median seconds, pages read) of a read fault at each stride of a MAP_SHARED,
-    MADV_HUGEPAGE mapping of the written file, its pages dropped from the cache first."""
+def _timed_faults(fd: int, nbytes: int, path: str) -> tuple[float, int | None, int | None]:
+    """(median seconds, pages read, folio size) of a read fault at each stride of a
+    MAP_SHARED, MADV_HUGEPAGE mapping of the written file (at ``path``), its pages
+    dropped from the cache first."""
     os.posix_fadvise(fd, 0, nbytes, os.POSIX_FADV_DONTNEED)  # clean (fdatasync): dropped
     exact = cachestat.available(fd)
     times, pages = [], []
@@ -87,7 +91,31 @@ def _timed_faults(fd: int, nbytes: int) -> tuple[float, int | None]:
             times.append(time.perf_counter() - start)
             if exact:
                 pages.append(cachestat.cachestat(fd, 0, 0).nr_cache - cached)
-    return statistics.median(times), (int(statistics.median(pages)) if pages else None)
+        folio = folio_bytes(path)
+    return statistics.median(times), (int(statistics.median(pages)) if pages else None), folio
+
+
+def folio_bytes(path: str, smaps: str = "/proc/self/smaps") -> int | None:
+    r"""The folio size this process's mapping of ``path`` is held in: 2 MiB where
+    the kernel mapped any of it with huge page-table entries (a filesystem with
+    large folios: ext4 since Linux 6.16, XFS), else a page; None: no such mapping.
+
+    >>> import tempfile
+    >>> with tempfile.NamedTemporaryFile("w", suffix=".smaps") as f:
+    ...     _ = f.write("7f00-7f80 r--s 0 08:01 12 /store/.probe-x\nFilePmdMapped:  4096 kB\n")
+    ...     f.flush()
+    ...     folio_bytes("/store/.probe-x", f.name) // MIB, folio_bytes("/other", f.name)
+    (2, None)
+    """
+    inside, found = False, None
+    with open(smaps, encoding="utf-8", errors="replace") as lines:
+        for line in lines:
+            fields = line.split()
+            if fields and "-" in fields[0] and not fields[0].endswith(":"):
+                inside = fields[-1] == path
+            elif inside and fields[0] == "FilePmdMapped:":
+                found = PMD_BYTES if int(fields[1]) > 0 else max(found or 0, PAGE)
+    return found
 
 
 def running_vm_ram(uri: str, host: str) -> tuple[int, HostSoftware]:
@@ -128,6 +156,9 @@ def host_facts(
         # what the guest waits for each 4 MiB of its rewritten set off budget.
         "store_fault_s": store.fault_s if store else None,
         "store_fault_pages": store.fault_pages if store else None,
+        # Reclaim frees the store's page cache a folio at a time: with 2 MiB
+        # folios a hot page keeps its 2 MiB resident (docs/benchmarks/store-folios.md).
+        "store_folio_bytes": store.folio_bytes if store else None,
         # libvirt fsyncs the domain it persists here before resuming an incoming
         # guest: on a shared ext4 that waits for the guest memory's writeback.
         "store_shares_libvirt_fs": same_filesystem(store_dir, writeback.LIBVIRT_CONFIG_DIR),

@@ -272,6 +272,7 @@ class Reconciler:
         peer: Callable[[str, int], AgentClient],
         timeout_s: float = FOLLOW_TIMEOUT_S,
         poll_s: float = FOLLOW_POLL_S,
+        converge_timeout_s: float = 30.0,
     ) -> None:
         self.host = host
         self.libvirt_uri = libvirt_uri
@@ -279,6 +280,7 @@ class Reconciler:
         self.peer = peer
         self.timeout_s = timeout_s
         self.poll_s = poll_s
+        self.converge_timeout_s = converge_timeout_s  # [migration] converge_timeout
 
     def start(self, record: MigrationRecord) -> threading.Thread:
         record.event("the agent restarted during the migration: reading its outcome from libvirt")
@@ -292,19 +294,61 @@ class Reconciler:
         """Look until the verdict is no longer FOLLOW (or the time is up), then settle."""
         try:
             dest = self.destination(record)
-            deadline = time.monotonic() + self.timeout_s
-            verdict = self.look(record, dest)
+            started = time.monotonic()
+            first_round, aborted = None, ""
+            verdict, source = self.look(record, dest)
             while verdict.action == reconcile.FOLLOW:
-                if time.monotonic() > deadline:
+                if time.monotonic() > started + self.timeout_s:
                     verdict = reconcile.gave_up(verdict, self.timeout_s)
                     break
+                round_now = record.progress.get("memory_iteration", 0)
+                first_round = round_now if first_round is None else first_round
+                followed_s = time.monotonic() - started
+                aborted = aborted or self._bound_orphan(
+                    record, source, round_now - first_round, followed_s
+                )
                 time.sleep(self.poll_s)
-                verdict = self.look(record, dest)
+                verdict, source = self.look(record, dest)
+            if aborted and verdict.vm_here:
+                verdict = dataclasses.replace(verdict, note=f"{reconcile.RESTARTED}: {aborted}")
             self.settle(record, verdict, dest)
         except Exception as exc:  # the record must end whatever went wrong here
             error = exceptions.InternalError(action=f"reconciling {record.id}", error=repr(exc))
             LOG.exception("%s", error)
             self._end(record, "failed", str(error))
+
+    def _bound_orphan(
+        self, record: MigrationRecord, source: SourceView, rounds: int, followed_s: float
+    ) -> str:
+        """Abort a precopy no agent drives any more once it proves stuck (the
+        next look then finds the VM whole on the source and settles); what was
+        done, "" when nothing."""
+        if not source.job_active or not reconcile.abort_orphaned_precopy(
+            source.domain, rounds, followed_s, self.converge_timeout_s
+        ):
+            return ""
+        try:
+            self.abort_job(record.vm)
+            done = reconcile.orphan_aborted(rounds, followed_s)
+        except exceptions.FlexMigError as exc:
+            done = ""
+            record.event(f"aborting libvirt's stuck precopy failed: {exc}")
+        if done:
+            record.event(done)
+        self.store.save(record)
+        return done
+
+    def abort_job(self, vm: str) -> None:
+        """Abort the source's migration job of ``vm`` (bounded)."""
+
+        def abort() -> None:
+            with hypervisor.connect(self.libvirt_uri, self.host) as conn:
+                with hypervisor.wrap_errors(self.host, f"abort {vm}'s migration job"):
+                    dom = hypervisor.find_domain(conn, vm)
+                    if dom is not None:
+                        dom.abortJob()
+
+        hypervisor.bounded(abort, LIBVIRT_CALL_S, f"libvirt to abort {vm}'s job")
 
     def destination(self, record: MigrationRecord) -> Destination | None:
         access = record.dest_access
@@ -316,7 +360,9 @@ class Reconciler:
             str(access.get("migration_uri", "")),
         )
 
-    def look(self, record: MigrationRecord, dest: Destination | None) -> reconcile.Verdict:
+    def look(
+        self, record: MigrationRecord, dest: Destination | None
+    ) -> tuple[reconcile.Verdict, SourceView]:
         source = self.source_view(record.vm)
         if source.job_active:
             if record.state == "planning":
@@ -326,7 +372,8 @@ class Reconciler:
         dest_domain = (
             self.dest_view(record.vm, dest) if not source.job_active else reconcile.UNKNOWN
         )
-        return reconcile.reconcile(record.state, source.domain, source.job_active, dest_domain)
+        verdict = reconcile.reconcile(record.state, source.domain, source.job_active, dest_domain)
+        return verdict, source
 
     def source_view(self, vm: str) -> SourceView:
         def read() -> SourceView:

@@ -271,7 +271,13 @@ class MigrationService:
     def reconcile_unended(self, peer: Callable[[str, int], AgentClient]) -> list[MigrationRecord]:
         """Follow to their end the migrations a previous agent left unended
         (``peer`` makes a client for their destination's agent)."""
-        reconciler = Reconciler(self.host, self.conf.agent.libvirt_uri, self.store, peer)
+        reconciler = Reconciler(
+            self.host,
+            self.conf.agent.libvirt_uri,
+            self.store,
+            peer,
+            converge_timeout_s=self.options.converge_timeout_s,
+        )
         unended = [r for r in self.records.values() if r.state in ACTIVE]
         for record in unended:
             LOG.warning("migration %s of %s was %s when the agent stopped", record.id, record.vm,

@@ -9,10 +9,11 @@ switchover spent exactly there (docs/benchmarks/switchover.md).
 The keeper does what seed 003 (VMemDirect) does on its own: it decides where
 each page lives.  Every INTERVAL_S it
 
-1. reads QEMU's page map of the guest-RAM mapping (which pages are
-   resident) and, per chunk of the file, how many pages were written since
-   the last writeback (``cachestat``, Linux >= 6.5; older kernels: a sample
-   of page flags in ``/proc/kpageflags``);
+1. reads, per chunk of the file, how many of its pages the page cache holds
+   and how many were written since the last writeback (``cachestat``, Linux
+   >= 6.5; older kernels: QEMU's page map of the guest-RAM mapping, which
+   sees only the pages QEMU maps, and a sample of page flags in
+   ``/proc/kpageflags``);
 2. counts each chunk's writes across intervals (never written, written
    once, rewritten: ``record_writes``) and ages it with 8 bits, like seed
    003's per-page history (a bit per interval, shifted right): a chunk is
@@ -46,6 +47,14 @@ the store's page cache is then held in 2 MiB folios, PMD-mapped, and a fault
 on a dropped page reads two of them, 4 MiB (measured on this host's 6.18
 kernel; without the advice one page).  A page that is hot keeps its whole
 folio resident.
+
+Which is why residency is read from the page cache, not from QEMU's page
+map: each fault's readahead caches up to 4 MiB that QEMU does not map (zero
+pages it read to compare, neighbours of a page it wrote), all charged to the
+VM.  At a split-50 switchover in the lab (tests/bench/split_trace.py) the
+VM's cgroup held 248 MiB of its file and QEMU mapped 7 MiB of it: a keeper
+counting mapped pages dropped the pages being written (the only ones it saw)
+and left the readahead to the cap's reclaim.
 """
 
 from __future__ import annotations
@@ -250,7 +259,7 @@ def ranges(chunks: Iterable[int]) -> list[tuple[int, int]]:
 
 @dataclasses.dataclass
 class ChunkScan:
-    resident: list[int]  # resident pages per chunk
+    resident: list[int]  # resident pages per chunk (page cache, or mapped where no cachestat)
     dirty: set[int]  # chunks with a sampled page written since its writeback
 
 

@@ -314,9 +314,11 @@ class ResidencyKeeper(threading.Thread):
         fds += [os.open(f"/proc/{ram.pid}/pagemap", os.O_RDONLY)]
         state = _Chunks(ages=[0] * ram.chunks, writes=[0] * ram.chunks)
         state.exact = cachestat.available(fds[0])
-        # Without cachestat (Linux < 6.5) the page flags of a sample say what was written.
+        # Without cachestat (Linux < 6.5) the page flags of a sample say what was
+        # written, and QEMU's page map what is resident (the pages it maps only).
         fds += [-1 if state.exact else os.open("/proc/kpageflags", os.O_RDONLY)]
         self.stats["written_pages_from"] = "cachestat" if state.exact else "kpageflags sample"
+        self.stats["resident_pages_from"] = "cachestat" if state.exact else "QEMU's page map"
         resumed = False
         try:
             while not self.stop_event.wait(KEEPER_INTERVAL_S):
@@ -358,8 +360,9 @@ class ResidencyKeeper(threading.Thread):
         if excess:
             victims = residency.drop_order(scan.resident, state.ages, state.writes, excess)
             ram.write_back(file_fd, victims, wait=True)
-            self.stats["dropped_bytes"] += ram.page_out(pidfd, victims)
-            ram.forget(file_fd, victims)
+            ram.page_out(pidfd, victims)  # what QEMU maps ...
+            ram.forget(file_fd, victims)  # ... and the cache it does not
+            self.stats["dropped_bytes"] += sum(scan.resident[c] for c in victims) * residency.PAGE
             self.stats["drops"] += 1
             state.dropped.update(victims)
             taken = residency.dropped_by_class(scan.resident, state.writes, victims)
@@ -370,11 +373,13 @@ class ResidencyKeeper(threading.Thread):
     def _look(self, ram: residency.GuestRam, fds: list[int], state: _Chunks) -> residency.ChunkScan:
         """Scan QEMU's mapping; count writes and age every chunk (updates ``state``)."""
         file_fd, pagemap_fd, kpf_fd = fds[0], fds[2], fds[3]
-        scan = ram.scan(pagemap_fd, None if state.exact else kpf_fd)
-        dirty = scan.dirty
         if state.exact:
-            pages = cachestat.dirty_pages(file_fd, ram.chunks, residency.CHUNK_BYTES)
-            dirty = {c for c, n in enumerate(pages) if n}
+            # The page cache, mapped or not, is what the VM is charged for.
+            cached, written = cachestat.chunk_pages(file_fd, ram.chunks, residency.CHUNK_BYTES)
+            scan = residency.ChunkScan(cached, {c for c, n in enumerate(written) if n})
+        else:
+            scan = ram.scan(pagemap_fd, kpf_fd)
+        dirty = scan.dirty
         back = {c for c in state.dropped if scan.resident[c]}
         state.dropped -= back
         state.writes = residency.record_writes(state.writes, state.dirty, dirty)

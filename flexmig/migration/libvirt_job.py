@@ -395,10 +395,10 @@ class MigrationJob:
                 self.on_event(self.result.error)
                 return
             if step.kind == recovery.LANDED:
-                # libvirt's control connection broke but QEMU's own stream
-                # survived the cut: nothing to resume, the VM runs there.
+                # QEMU's own stream survived the cut, or completed a resume
+                # libvirt reported failed: the VM runs there.
                 self.result.state, self.result.recovered = "completed", True
-                self.on_event("the migration completed over its own stream; nothing to resume")
+                self.on_event(recovery.landed_event(attempts, last_error))
                 return
             if step.kind == recovery.GIVE_UP:
                 break

@@ -46,6 +46,7 @@ class DestinationFacts:
     split_reserved: bool | None = None
     store_write_bps: float = 0.0  # the split store's measured write rate; 0: unknown
     store_fault_s: float = 0.0  # one fault on the store, a 4 MiB read; 0: unknown
+    store_folio_bytes: int = 0  # the store's page-cache folio size, reclaim's unit; 0: unknown
     memory_cgroup: str = ""  # how the destination caps a split VM's residency
     software: HostSoftware = UNKNOWN_SOFTWARE  # its libvirt and QEMU
     # Its memory_backing_dir on the filesystem of /etc/libvirt (None: not reported).
@@ -60,6 +61,7 @@ class DestinationFacts:
                 int(facts["store_free_bytes"]),
                 store_write_bps=float(facts.get("store_write_bps") or 0.0),
                 store_fault_s=float(facts.get("store_fault_s") or 0.0),
+                store_folio_bytes=int(facts.get("store_folio_bytes") or 0),
                 memory_cgroup=str((facts.get("memory_cgroup") or {}).get("detail") or ""),
                 software=HostSoftware.from_facts(facts),
                 store_shares_libvirt_fs=_optional_bool(facts.get("store_shares_libvirt_fs")),
@@ -343,6 +345,7 @@ def plan(
             switchover_s=link.switchover_s,
             dest_store_write_bps=dest.store_write_bps,
             dest_store_fault_s=dest.store_fault_s,
+            dest_store_folio_bytes=dest.store_folio_bytes,
             dest_memory_cgroup=dest.memory_cgroup,
         ),
         request.mode,

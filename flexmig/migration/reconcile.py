@@ -142,6 +142,56 @@ def _left_here(source: str, dest: str) -> Verdict:
     )
 
 
+# Rounds a precopy must iterate while followed before it can count as stuck:
+# a long first round (a big VM) is progress, not a stall.
+ORPHAN_MIN_ROUNDS = 3
+
+
+def abort_orphaned_precopy(
+    source: str, rounds_followed: int, followed_s: float, converge_timeout_s: float
+) -> bool:
+    """Whether a restarted agent aborts the precopy its predecessor left running.
+
+    The dead agent's controller bounded the job (the plan's switch to postcopy,
+    the in-flight correction, ``converge_timeout``); without it libvirt's
+    precopy of a VM that rewrites faster than the link carries iterates for
+    ever (the fault campaign's postcopy/mover/kill-src-agent/postcopy-switch
+    cell: 159 rounds, 14 GiB sent for a 256 MiB guest in 10 min).  A precopy
+    that keeps iterating for ``converge_timeout`` after the restart is
+    aborted: in precopy the VM runs whole on the source, and an abort keeps
+    it there.  Never a postcopy (the VM's memory is split) nor a paused VM.
+
+    >>> abort_orphaned_precopy(RUNNING, 5, 31.0, 30.0)
+    True
+    >>> abort_orphaned_precopy(RUNNING, 1, 300.0, 30.0)  # a long first round
+    False
+    >>> abort_orphaned_precopy(POSTCOPY_PAUSED, 5, 31.0, 30.0)
+    False
+    >>> abort_orphaned_precopy(PAUSED, 9, 99.0, 30.0)  # stop-and-copy: it is ending
+    False
+    """
+    return (
+        source == RUNNING
+        and rounds_followed >= ORPHAN_MIN_ROUNDS
+        and followed_s >= converge_timeout_s
+    )
+
+
+def orphan_aborted(rounds_followed: int, followed_s: float) -> str:
+    """The record's event when the follower aborted a stuck precopy.
+
+    >>> print(orphan_aborted(40, 31.2))  # doctest: +NORMALIZE_WHITESPACE
+    aborted libvirt's precopy: it iterated 40 more rounds in 31 s after the restart
+    without converging, and the agent that drove it (its switch, correction and
+    timeouts) is gone; the VM stays on the source
+    """
+    return (
+        f"aborted libvirt's precopy: it iterated {rounds_followed} more rounds in "
+        f"{followed_s:.0f} s after the restart without converging, and the agent that drove "
+        "it (its switch, correction and timeouts) is gone; the VM stays on the source"
+    )
+
+
 def gave_up(last: Verdict, seconds: float) -> Verdict:
     """The record's end when libvirt's view did not settle within ``seconds``:
     reported as failed, naming what was last seen, never as where the VM is.

@@ -112,6 +112,30 @@ def next_step(view: RecoveryView) -> Step:
     return Step(RESUME, delay_s=delay, reopen=view.fresh_transport)
 
 
+def landed_event(attempts: int, last_error: str) -> str:
+    """What the job says when it finds the VM running on the destination.
+
+    After a resume attempt that libvirt reported failed, the VM landing is
+    that resume completing: libvirt 9.0 fails its side of a recovery on QEMU
+    >= 9.1's postcopy-recover-setup event it does not know, while QEMU carries
+    the recovery through (seen in the lab).  Without an attempt, QEMU's own
+    stream survived the cut.
+
+    >>> landed_event(0, "")
+    'the migration completed over its own stream; nothing to resume'
+    >>> landed_event(1, "job 'migration in' failed in post-copy phase")
+    ... # doctest: +NORMALIZE_WHITESPACE
+    "postcopy resumed and completed (attempt 1; QEMU completed the resume that libvirt
+    reported failed: job 'migration in' failed in post-copy phase)"
+    """
+    if attempts == 0:
+        return "the migration completed over its own stream; nothing to resume"
+    return (
+        f"postcopy resumed and completed (attempt {attempts}; QEMU completed the resume "
+        f"that libvirt reported failed: {last_error})"
+    )
+
+
 def resume_transport_id(migration_id: str, attempt: int) -> str:
     """The id of the transport opened for resume ``attempt`` (hex, like the
     migration's): its own mover files and socket, never the dead pair's.

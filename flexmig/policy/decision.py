@@ -61,6 +61,8 @@ class MigrationInputs:
     # One fault on the store, a 4 MiB read (0: not measured, assumed at the
     # write bandwidth).
     dest_store_fault_s: float = 0.0
+    # The store's page-cache folio size, which reclaim frees at a time (0: unknown).
+    dest_store_folio_bytes: int = 0
 
     def transfer(self) -> precopy.Transfer:
         return precopy.Transfer(
@@ -315,7 +317,25 @@ def _split_costs(
         + (f"; capped by {inp.dest_memory_cgroup}" if inp.dest_memory_cgroup else "")
     )
     reasons.append(_describe_faults(faults, store, bool(inp.dest_store_fault_s)))
+    if inp.dest_store_folio_bytes > inp.page_size:
+        reasons.append(_describe_folios(inp.dest_store_folio_bytes))
     return prediction, headroom, faults
+
+
+def _describe_folios(folio_bytes: int) -> str:
+    """Explain's line on a store whose page cache is held in large folios.
+
+    >>> print(_describe_folios(2 * MIB))  # doctest: +NORMALIZE_WHITESPACE
+    the destination's store holds its page cache in 2 MiB folios, which reclaim frees
+    whole: a hot page keeps its 2 MiB resident, so a rewritten set scattered through
+    guest RAM needs more than its size in the budget (docs/benchmarks/split-page-cache.md)
+    """
+    return (
+        f"the destination's store holds its page cache in {folio_bytes // MIB} MiB folios, "
+        f"which reclaim frees whole: a hot page keeps its {folio_bytes // MIB} MiB resident, "
+        "so a rewritten set scattered through guest RAM needs more than its size in the "
+        "budget (docs/benchmarks/split-page-cache.md)"
+    )
 
 
 def _describe_faults(faults: split.StoreFaults, store: split.StoreFacts, measured: bool) -> str:

@@ -122,6 +122,9 @@ class Fabric:
     stream_bps: float  # what one migration stream achieves alone
     setup_s: float = 0.5  # per migration, before pages move (agents, libvirt)
     switchover_s: float = 0.05
+    # switchover_s learnt from libvirt's downtime, which holds the finish and
+    # resume already (planner.LinkFacts.switchover_learned).
+    switchover_learned: bool = False
 
     def share(self, streams: int) -> float:
         return drain_schedule.share_bps(self.link_bps, self.stream_bps, streams)
@@ -324,7 +327,12 @@ def _engine_plan(
             store_free_bytes=vm.ram_bytes if placement.split else 0,
             split_reserved=None,
         ),
-        planner.LinkFacts(stream_bps=bw, setup_s=fabric.setup_s, switchover_s=fabric.switchover_s),
+        planner.LinkFacts(
+            stream_bps=bw,
+            setup_s=fabric.setup_s,
+            switchover_s=fabric.switchover_s,
+            switchover_learned=fabric.switchover_learned,
+        ),
         opts,
         dirty=vm.dirty,
     )

@@ -96,6 +96,10 @@ def run_flexmig(lab: Lab, name: str) -> dict:
         cap_hits=(status.get("cgroup") or {}).get("limit_hits"),
         note=(result.get("error") or "")[:60],
         pred_parts=result.get("predicted_downtime_parts_ms"),  # printed per run, for the reading
+        # QEMU's own memory shares the cap with the guest's RAM: printed per run.
+        own_mib=((keeper.get("charge_bytes") or 0) - (keeper.get("guest_resident_bytes") or 0))
+        / 2**20,
+        by_class=keeper.get("dropped_pages_by_class"),
     )
     if row["ok"]:
         row["after_pps"] = _after_move_rate(vm.LabVM(lab, name))

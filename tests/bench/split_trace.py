@@ -32,7 +32,18 @@ from flexmig_lab.lab import CGROUP_ROOT, Lab
 from tests.bench.bench_split import BANDWIDTH_MIB, RAM_MIB, WORKLOAD, _wait_ready, offer_mb
 from tests.bench.switchover_trace import checkpoints
 
-STAT_KEYS = ("cache", "dirty", "writeback", "pgpgin", "pgpgout", "pgmajfault", "mapped_file")
+STAT_KEYS = (
+    "cache",
+    "rss",
+    "dirty",
+    "writeback",
+    "pgpgin",
+    "pgpgout",
+    "pgmajfault",
+    "mapped_file",
+    "inactive_file",
+    "active_file",
+)
 SAMPLE_S = 0.01
 QMP_RE = re.compile(r"@(\d+\.\d+):handle_qmp_command .*?\"execute\": ?\"([\w-]+)\"")
 
@@ -140,6 +151,14 @@ def report(sampler: Sampler, src: dict[str, float], dst: dict[str, float]) -> No
             f"pgpgin {s['pgpgin']:7d} pgpgout {s['pgpgout']:7d} majflt {s['pgmajfault']:6d} "
             f"hostdirty {s['host_dirty_kb'] >> 10} wb {s['host_wb_kb'] >> 10} pid {s['pid']} "
             f"D {dict(waits)}"
+        )
+    for label, at in (("at stop", stop), ("at load", loaded), ("at end", sampler.samples[-1]["t"])):
+        s = min(sampler.samples, key=lambda x: abs(x["t"] - at))
+        print(
+            f"{label}: charge {s['usage'] / mib:.0f} MiB = QEMU anon {s['rss'] / mib:.0f} + file "
+            f"{s['cache'] / mib:.0f} (mapped {s['mapped_file'] / mib:.0f}, active "
+            f"{s['active_file'] / mib:.0f}, inactive {s['inactive_file'] / mib:.0f}) + other "
+            f"{(s['usage'] - s['rss'] - s['cache']) / mib:.0f}"
         )
     final = [s for s in sampler.samples if last <= s["t"] <= loaded]
     if len(final) >= 2:

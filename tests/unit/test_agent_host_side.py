@@ -45,6 +45,7 @@ def test_the_store_probe_faults_as_qemu_does_a_window_of_two_huge_pages_per_touc
     probe = facts.probe_store(str(tmp_path), nbytes=16 * MIB)
     assert probe.write_bps > 0 and 0 < probe.fault_s < 5.0
     assert list(tmp_path.iterdir()) == []  # the probe file is gone
+    assert probe.folio_bytes in (facts.PAGE, facts.PMD_BYTES)  # the mapping was seen
     thp = pathlib.Path("/sys/kernel/mm/transparent_hugepage").exists()
     if thp and probe.fault_pages is not None and filesystem_of(str(tmp_path)) != "tmpfs":
         # MADV_HUGEPAGE: the kernel reads 4 MiB around the fault, not read_ahead_kb.

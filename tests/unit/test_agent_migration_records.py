@@ -239,9 +239,52 @@ def test_the_service_reloads_records_and_follows_the_unended(tmp_path, monkeypat
         )
     )
     monkeypatch.setattr(migrations.movers, "rdma_provider_present", lambda: False)
-    service = migrations.MigrationService("A", conf, options=None)
+    options = migrations.EngineOptions(converge_timeout_s=45.0)
+    service = migrations.MigrationService("A", conf, options=options)
     assert service.get("111111111111").state == "completed"
     started = []
-    monkeypatch.setattr(Reconciler, "start", lambda self, r: started.append(r.id))
+    monkeypatch.setattr(
+        Reconciler, "start", lambda self, r: started.append((r.id, self.converge_timeout_s))
+    )
     assert [r.id for r in service.reconcile_unended(lambda a, p: None)] == ["222222222222"]
-    assert started == ["222222222222"]
+    assert started == [("222222222222", 45.0)]  # the engine's [migration] converge_timeout
+
+
+def test_a_precopy_nobody_drives_is_aborted_once_it_iterates_without_converging(tmp_path):
+    """The campaign's postcopy/mover/kill-src-agent/postcopy-switch run: the agent died
+    before its switch, and libvirt's precopy iterated for 10 min (159 rounds)."""
+    rec, dest_agent = reconciler(tmp_path, [])
+    rec.converge_timeout_s = 0.0
+    rounds = iter(range(10, 100))
+    aborted = []
+
+    def source_view(vm):
+        if aborted:  # libvirt rolled back: the VM runs whole on the source
+            return migration_records.SourceView(RUNNING, False, {})
+        return migration_records.SourceView(RUNNING, True, {"memory_iteration": next(rounds)})
+
+    rec.source_view = source_view
+    rec.dest_view = lambda vm, dest: ABSENT
+    rec.abort_job = aborted.append
+    mig = record(saved_plan={**migration_records.NO_PLAN, "mode": "postcopy",
+                             "transport": {"transport": "mover"}})  # fmt: skip
+    rec.follow(mig)
+    assert aborted == ["vm1"]
+    texts = [text for _ts, text in mig.events]
+    assert any(t.startswith("aborted libvirt's precopy: it iterated 3 more rounds") for t in texts)
+    assert mig.state == "failed" and "stays on the source" in mig.error
+    assert mig.error.startswith(reconcile.RESTARTED + ": aborted libvirt's precopy")
+    assert ("/v1/mover/finish", {"migration_id": mig.id, "abort": True}) in dest_agent.posts
+
+
+def test_a_precopy_in_its_first_long_round_or_a_postcopy_is_never_aborted(tmp_path):
+    for views in (
+        [(RUNNING, True, UNKNOWN)] * 6 + [(MIGRATED, False, RUNNING)],  # one long round
+        [(reconcile.POSTCOPY_PAUSED, True, UNKNOWN)] * 6 + [(MIGRATED, False, RUNNING)],
+    ):
+        rec, _ = reconciler(tmp_path, views)
+        rec.converge_timeout_s = 0.0
+        rec.abort_job = lambda vm: pytest.fail("aborted")
+        mig = record(saved_plan={**migration_records.NO_PLAN, "mode": "postcopy"})
+        rec.follow(mig)
+        assert mig.state == "completed"

@@ -70,3 +70,28 @@ def test_an_older_agents_link_without_the_count_learnt_its_timings_with_its_rate
     fabric = drain_agents.fabric_from({"b": old}, FIRST_GUESS)
     assert fabric.setup_s == pytest.approx(3.0 + drain_agents.AGENT_OVERHEAD_S)
     assert fabric.stream_bps == 150 * MIB
+
+
+def test_a_learnt_switchover_is_known_as_such_by_the_drain():
+    assert drain_agents.fabric_from({"b": reported(capped())}, FIRST_GUESS).switchover_learned
+    never = drain_agents.fabric_from({"b": reported(LinkEstimate())}, FIRST_GUESS)
+    assert not never.switchover_learned
+
+
+def test_a_drains_plan_does_not_add_the_resume_to_a_learnt_switchover():
+    """libvirt's downtime, which the switchover was learnt from, ends with the guest
+    running: a drain counting the finish and resume again overstated every gap."""
+    from flexmig.policy import drain
+    from flexmig.policy.dirty_model import DirtyModel
+
+    vm = drain.DrainVM.sized("vm0", 256 * MIB, 64 * MIB, DirtyModel(0, 1), True)
+    hosts = [drain.Candidate("B", 2048 * MIB, 0)]
+    parts = {}
+    for learnt in (False, True):
+        fabric = drain.Fabric(100 * MIB, 100 * MIB, switchover_s=0.06, switchover_learned=learnt)
+        move = drain.plan("A", [vm], hosts, fabric).moves[0]
+        parts[learnt] = move.plan.guest_downtime.parts_ms
+    assert parts[False]["device state"] == pytest.approx(60)
+    assert parts[False]["finish and resume"] > 0
+    assert parts[True]["device state, finish and resume"] == pytest.approx(60)
+    assert "finish and resume" not in parts[True] or parts[True]["finish and resume"] == 0

@@ -273,3 +273,19 @@ def test_destination_facts_carry_the_store_fault_time():
     facts = {"free_for_vms_bytes": 1, "store_free_bytes": 2, "store_fault_s": 0.025}
     assert DestinationFacts.from_agent(facts).store_fault_s == 0.025
     assert DestinationFacts.from_agent(facts | {"store_fault_s": None}).store_fault_s == 0.0
+
+
+def test_split_explain_names_a_store_held_in_large_folios():
+    large = dataclasses.replace(_split_inputs(300, 0.02), dest_store_folio_bytes=2 * MIB)
+    assert "holds its page cache in 2 MiB folios" in decide(large).explain()
+    small = dataclasses.replace(large, dest_store_folio_bytes=4096)
+    assert "folios" not in decide(small).explain()
+    assert "folios" not in decide(_split_inputs(300, 0.02)).explain()  # not measured
+
+
+def test_destination_facts_carry_the_store_folio_size():
+    from flexmig.migration.planner import DestinationFacts
+
+    facts = {"free_for_vms_bytes": 1, "store_free_bytes": 2, "store_folio_bytes": 2 * MIB}
+    assert DestinationFacts.from_agent(facts).store_folio_bytes == 2 * MIB
+    assert DestinationFacts.from_agent(facts | {"store_folio_bytes": None}).store_folio_bytes == 0

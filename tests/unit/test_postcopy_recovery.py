@@ -205,6 +205,9 @@ def test_a_resume_qemu_carries_on_is_waited_for_not_torn_down(monkeypatch, clock
     assert job.result.state == "completed" and job.result.recovered
     assert opened == [1] and len(started) == 1
     assert clock.slept[1:] == [recovery.WAIT_POLL_S] * 3
+    # The landing is that resume completing, and the record says so.
+    assert events[-1].startswith("postcopy resumed and completed (attempt 1; QEMU completed")
+    assert "job 'migration in' failed" in events[-1]
 
 
 def test_a_resume_call_libvirt_never_ends_is_not_the_end_of_recovery(monkeypatch, clock):
