@@ -295,17 +295,19 @@ class Reconciler:
         try:
             dest = self.destination(record)
             started = time.monotonic()
-            first_round, aborted = None, ""
+            remaining_by_round: dict[int, int] = {}  # round -> what was left as it began
+            aborted = ""
             verdict, source = self.look(record, dest)
             while verdict.action == reconcile.FOLLOW:
                 if time.monotonic() > started + self.timeout_s:
                     verdict = reconcile.gave_up(verdict, self.timeout_s)
                     break
-                round_now = record.progress.get("memory_iteration", 0)
-                first_round = round_now if first_round is None else first_round
-                followed_s = time.monotonic() - started
+                if source.job_active:
+                    round_now = source.stats.get("memory_iteration", 0)
+                    left = source.stats.get("memory_remaining", 0)
+                    remaining_by_round.setdefault(round_now, left)
                 aborted = aborted or self._bound_orphan(
-                    record, source, round_now - first_round, followed_s
+                    record, source, list(remaining_by_round.values()), time.monotonic() - started
                 )
                 time.sleep(self.poll_s)
                 verdict, source = self.look(record, dest)
@@ -318,18 +320,18 @@ class Reconciler:
             self._end(record, "failed", str(error))
 
     def _bound_orphan(
-        self, record: MigrationRecord, source: SourceView, rounds: int, followed_s: float
+        self, record: MigrationRecord, source: SourceView, remaining: list[int], followed_s: float
     ) -> str:
         """Abort a precopy no agent drives any more once it proves stuck (the
         next look then finds the VM whole on the source and settles); what was
         done, "" when nothing."""
         if not source.job_active or not reconcile.abort_orphaned_precopy(
-            source.domain, rounds, followed_s, self.converge_timeout_s
+            source.domain, remaining, followed_s, self.converge_timeout_s
         ):
             return ""
         try:
             self.abort_job(record.vm)
-            done = reconcile.orphan_aborted(rounds, followed_s)
+            done = reconcile.orphan_aborted(len(remaining), followed_s)
         except exceptions.FlexMigError as exc:
             done = ""
             record.event(f"aborting libvirt's stuck precopy failed: {exc}")

@@ -18,6 +18,7 @@ The functions here are pure; ``agents.agent.migration_records`` does the I/O.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import libvirt
 
@@ -142,53 +143,62 @@ def _left_here(source: str, dest: str) -> Verdict:
     )
 
 
-# Rounds a precopy must iterate while followed before it can count as stuck:
-# a long first round (a big VM) is progress, not a stall.
+# Rounds a precopy must iterate while followed, none of them bringing what is
+# left to send below its earlier low, before it counts as stuck: a precopy that
+# converges lowers it every round, and a long first round is no round at all.
 ORPHAN_MIN_ROUNDS = 3
 
 
 def abort_orphaned_precopy(
-    source: str, rounds_followed: int, followed_s: float, converge_timeout_s: float
+    source: str, remaining_by_round: Sequence[int], followed_s: float, converge_timeout_s: float
 ) -> bool:
     """Whether a restarted agent aborts the precopy its predecessor left running.
 
-    The dead agent's controller bounded the job (the plan's switch to postcopy,
-    the in-flight correction, ``converge_timeout``); without it libvirt's
-    precopy of a VM that rewrites faster than the link carries iterates for
-    ever (the fault campaign's postcopy/mover/kill-src-agent/postcopy-switch
-    cell: 159 rounds, 14 GiB sent for a 256 MiB guest in 10 min).  A precopy
-    that keeps iterating for ``converge_timeout`` after the restart is
-    aborted: in precopy the VM runs whole on the source, and an abort keeps
-    it there.  Never a postcopy (the VM's memory is split) nor a paused VM.
+    ``remaining_by_round``: libvirt's ``memory_remaining`` as each new round
+    began, in the order the follower saw them.  The dead agent's controller
+    bounded the job (the plan's switch to postcopy, the in-flight correction,
+    ``converge_timeout``); without it libvirt's precopy of a VM that rewrites
+    faster than the link carries iterates for ever (the fault campaign's
+    postcopy/mover/kill-src-agent/round cell: 159 rounds, 14 GiB sent for a
+    256 MiB guest in 10 min).  One whose last ORPHAN_MIN_ROUNDS rounds left no
+    less to send than before them, ``converge_timeout`` after the restart, is
+    aborted: in precopy the VM runs whole on the source, and an abort keeps it
+    there.  Never a postcopy (the VM's memory is split) nor a paused VM.
 
-    >>> abort_orphaned_precopy(RUNNING, 5, 31.0, 30.0)
+    >>> stuck = [9, 8, 9, 9, 8]  # MiB left at each round: no new low in the last three
+    >>> abort_orphaned_precopy(RUNNING, stuck, 31.0, 30.0)
     True
-    >>> abort_orphaned_precopy(RUNNING, 1, 300.0, 30.0)  # a long first round
+    >>> abort_orphaned_precopy(RUNNING, [64, 40, 25, 16, 10], 31.0, 30.0)  # converging
     False
-    >>> abort_orphaned_precopy(POSTCOPY_PAUSED, 5, 31.0, 30.0)
+    >>> abort_orphaned_precopy(RUNNING, stuck, 29.0, 30.0)  # not yet converge_timeout
     False
-    >>> abort_orphaned_precopy(PAUSED, 9, 99.0, 30.0)  # stop-and-copy: it is ending
+    >>> abort_orphaned_precopy(RUNNING, [9, 9], 99.0, 30.0)  # too few rounds to tell
+    False
+    >>> abort_orphaned_precopy(POSTCOPY_PAUSED, stuck, 31.0, 30.0)
+    False
+    >>> abort_orphaned_precopy(PAUSED, stuck, 99.0, 30.0)  # stop-and-copy: it is ending
     False
     """
-    return (
-        source == RUNNING
-        and rounds_followed >= ORPHAN_MIN_ROUNDS
-        and followed_s >= converge_timeout_s
-    )
+    if source != RUNNING or followed_s < converge_timeout_s:
+        return False
+    if len(remaining_by_round) <= ORPHAN_MIN_ROUNDS:
+        return False
+    before, last = remaining_by_round[:-ORPHAN_MIN_ROUNDS], remaining_by_round[-ORPHAN_MIN_ROUNDS:]
+    return min(last) >= min(before)
 
 
 def orphan_aborted(rounds_followed: int, followed_s: float) -> str:
-    """The record's event when the follower aborted a stuck precopy.
+    """The record's error when the follower aborted a stuck precopy.
 
     >>> print(orphan_aborted(40, 31.2))  # doctest: +NORMALIZE_WHITESPACE
-    aborted libvirt's precopy: it iterated 40 more rounds in 31 s after the restart
-    without converging, and the agent that drove it (its switch, correction and
-    timeouts) is gone; the VM stays on the source
+    aborted libvirt's precopy: 40 rounds in 31 s after the restart left no less to
+    send, and the agent that drove it (its switch, correction and timeouts) is gone;
+    the VM stayed on the source
     """
     return (
-        f"aborted libvirt's precopy: it iterated {rounds_followed} more rounds in "
-        f"{followed_s:.0f} s after the restart without converging, and the agent that drove "
-        "it (its switch, correction and timeouts) is gone; the VM stays on the source"
+        f"aborted libvirt's precopy: {rounds_followed} rounds in {followed_s:.0f} s after "
+        "the restart left no less to send, and the agent that drove it (its switch, "
+        "correction and timeouts) is gone; the VM stayed on the source"
     )
 
 

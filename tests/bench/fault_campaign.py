@@ -304,10 +304,10 @@ FINDINGS = (
     "A source agent killed before its switch to postcopy left libvirt's precopy with no "
     "driver: the restarted agent followed it for 900 s while it iterated 159 rounds (14 "
     "GiB for the 256 MiB guest) and then gave up (postcopy/mover/kill-src-agent/round). "
-    "Since then the restarted agent aborts a precopy that iterates >= 3 rounds for "
-    "converge_timeout without converging (flexmig/migration/reconcile.py "
-    "abort_orphaned_precopy): the round runs of postcopy/*/kill-src-agent end in about "
-    "a minute with the VM on the source.",
+    "Since then the restarted agent aborts a precopy whose last 3 rounds left no less "
+    "to send than before them, converge_timeout after the restart "
+    "(flexmig/migration/reconcile.py abort_orphaned_precopy): the round runs of "
+    "postcopy/*/kill-src-agent end in about a minute with the VM on the source.",
 )
 
 

@@ -31,6 +31,9 @@ class FakePlan:
         return "split: the destination has 140 MiB free"
 
 
+MIB = 2**20
+
+
 def record(mid="ab12cd34ef56", state="running", **fields):
     rec = MigrationRecord(
         id=mid,
@@ -251,8 +254,8 @@ def test_the_service_reloads_records_and_follows_the_unended(tmp_path, monkeypat
 
 
 def test_a_precopy_nobody_drives_is_aborted_once_it_iterates_without_converging(tmp_path):
-    """The campaign's postcopy/mover/kill-src-agent/postcopy-switch run: the agent died
-    before its switch, and libvirt's precopy iterated for 10 min (159 rounds)."""
+    """The campaign's postcopy/mover/kill-src-agent/round run: the agent died before
+    its switch, and libvirt's precopy iterated for 10 min (159 rounds)."""
     rec, dest_agent = reconciler(tmp_path, [])
     rec.converge_timeout_s = 0.0
     rounds = iter(range(10, 100))
@@ -261,7 +264,8 @@ def test_a_precopy_nobody_drives_is_aborted_once_it_iterates_without_converging(
     def source_view(vm):
         if aborted:  # libvirt rolled back: the VM runs whole on the source
             return migration_records.SourceView(RUNNING, False, {})
-        return migration_records.SourceView(RUNNING, True, {"memory_iteration": next(rounds)})
+        stats = {"memory_iteration": next(rounds), "memory_remaining": 9 * MIB}
+        return migration_records.SourceView(RUNNING, True, stats)
 
     rec.source_view = source_view
     rec.dest_view = lambda vm, dest: ABSENT
@@ -271,18 +275,30 @@ def test_a_precopy_nobody_drives_is_aborted_once_it_iterates_without_converging(
     rec.follow(mig)
     assert aborted == ["vm1"]
     texts = [text for _ts, text in mig.events]
-    assert any(t.startswith("aborted libvirt's precopy: it iterated 3 more rounds") for t in texts)
-    assert mig.state == "failed" and "stays on the source" in mig.error
+    assert any(t.startswith("aborted libvirt's precopy: 4 rounds") for t in texts), texts
+    assert mig.state == "failed" and "stayed on the source" in mig.error
     assert mig.error.startswith(reconcile.RESTARTED + ": aborted libvirt's precopy")
     assert ("/v1/mover/finish", {"migration_id": mig.id, "abort": True}) in dest_agent.posts
 
 
-def test_a_precopy_in_its_first_long_round_or_a_postcopy_is_never_aborted(tmp_path):
+def test_a_converging_or_long_first_round_precopy_or_a_postcopy_is_never_aborted(tmp_path):
+    def job(domain, rounds, remaining):
+        views = [
+            migration_records.SourceView(domain, True, {"memory_iteration": r,
+                                                        "memory_remaining": m})
+            for r, m in zip(rounds, remaining, strict=True)
+        ]  # fmt: skip
+        return [*views, migration_records.SourceView(reconcile.MIGRATED, False, {})]
+
     for views in (
-        [(RUNNING, True, UNKNOWN)] * 6 + [(MIGRATED, False, RUNNING)],  # one long round
-        [(reconcile.POSTCOPY_PAUSED, True, UNKNOWN)] * 6 + [(MIGRATED, False, RUNNING)],
+        job(RUNNING, range(1, 9), [2**k * MIB for k in range(8, 0, -1)]),  # converging
+        job(RUNNING, [1] * 8, [300 * MIB] * 8),  # one long first round
+        job(reconcile.POSTCOPY_PAUSED, range(1, 9), [9 * MIB] * 8),
     ):
-        rec, _ = reconciler(tmp_path, views)
+        rec, _ = reconciler(tmp_path, [])
+        seen = iter(views)
+        rec.source_view = lambda vm, seen=seen: next(seen)
+        rec.dest_view = lambda vm, dest: RUNNING
         rec.converge_timeout_s = 0.0
         rec.abort_job = lambda vm: pytest.fail("aborted")
         mig = record(saved_plan={**migration_records.NO_PLAN, "mode": "postcopy"})
