@@ -98,11 +98,11 @@ def test_cutting_the_fabric_during_precopy_aborts_and_keeps_the_vm(lab, slow_vm)
     fabric.set_mgmt_link(lab.host("B").spec, True)
     assert record["state"] == "failed"
     # The cut silences the stream and the destination's agent at once: whichever
-    # watchdog sees it first (the stall after stall_timeout, or three missed
-    # health checks of up to 2 s each) aborts, a race of about a second.
-    assert (
-        "no progress" in record["error"] or "destination agent stopped answering" in record["error"]
-    ), record["error"]
+    # watchdog sees it first (the stall after stall_timeout, three missed health
+    # checks of up to 2 s each, or libvirt's own keepalive to the destination's
+    # libvirtd, which closes the job's connection) ends it, a race of seconds.
+    noticed = ("no progress", "destination agent stopped answering", "client socket is closed")
+    assert any(text in record["error"] for text in noticed), record["error"]
     _check_vm(slow_vm, "A")
     # and the VM can still go once the link is back
     result = migrate_cli.migrate(lab, "slow", "B", mode="precopy", show=False)
