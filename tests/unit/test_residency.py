@@ -265,6 +265,19 @@ class _Usage:
         return {"usage_bytes": self.charge}
 
 
+def _keeper_on(path: Path, pid: int, mode: int) -> tuple:
+    """A keeper over ``pid``'s 8 MiB mapping of ``path``, charged what ``_Usage`` says,
+    and the descriptors its steps take (file opened with ``mode``, pidfd, page map)."""
+    from agents.agent import split_store
+
+    store = _Usage()
+    keeper = split_store.ResidencyKeeper(store, "vm", threading.Event())  # type: ignore[arg-type]
+    ram = residency.GuestRam.find(pid, 8 * MIB)
+    fds = [os.open(path, mode), os.pidfd_open(pid)]
+    fds += [os.open(f"/proc/{pid}/pagemap", os.O_RDONLY), -1]
+    return store, keeper, ram, fds
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="process_madvise of another process needs root")
 def test_the_keeper_drops_never_written_chunks_before_written_ones_once_ages_are_forgotten(
     tmp_path,
@@ -282,11 +295,7 @@ def test_the_keeper_drops_never_written_chunks_before_written_ones_once_ages_are
     except BaseException:
         os.sched_setaffinity(0, cpus)
         raise
-    store = _Usage()
-    keeper = split_store.ResidencyKeeper(store, "vm", threading.Event())  # type: ignore[arg-type]
-    ram = residency.GuestRam.find(child.pid, 8 * MIB)
-    fds = [os.open(path, os.O_RDONLY), os.pidfd_open(child.pid)]
-    fds += [os.open(f"/proc/{child.pid}/pagemap", os.O_RDONLY), -1]
+    store, keeper, ram, fds = _keeper_on(path, child.pid, os.O_RDONLY)
     try:
         if not cachestat.available(fds[0]):
             pytest.skip("this kernel has no cachestat (Linux >= 6.5)")
@@ -323,11 +332,7 @@ def test_the_keeper_sees_and_drops_the_page_cache_qemu_does_not_map(tmp_path):
 
     path = tmp_path / "guest.ram"
     child = _Child(path, 8 * MIB, pause_before_writing=True)  # maps the file, touches nothing
-    store = _Usage()
-    keeper = split_store.ResidencyKeeper(store, "vm", threading.Event())  # type: ignore[arg-type]
-    ram = residency.GuestRam.find(child.pid, 8 * MIB)
-    fds = [os.open(path, os.O_RDWR), os.pidfd_open(child.pid)]
-    fds += [os.open(f"/proc/{child.pid}/pagemap", os.O_RDONLY), -1]
+    store, keeper, ram, fds = _keeper_on(path, child.pid, os.O_RDWR)
     try:
         if not cachestat.available(fds[0]):
             pytest.skip("this kernel has no cachestat (Linux >= 6.5)")
