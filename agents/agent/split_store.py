@@ -311,12 +311,15 @@ class ResidencyKeeper(threading.Thread):
         self.stats |= {"state": "keeping", "target_bytes": marks.target, "pid": ram.pid}
         self.stats |= {"low_bytes": marks.low}
         fds = [os.open(ram.path, os.O_RDONLY), os.pidfd_open(ram.pid)]
-        fds += [os.open(f"/proc/{ram.pid}/pagemap", os.O_RDONLY)]
         state = _Chunks(ages=[0] * ram.chunks, writes=[0] * ram.chunks)
         state.exact = cachestat.available(fds[0])
         # Without cachestat (Linux < 6.5) the page flags of a sample say what was
         # written, and QEMU's page map what is resident (the pages it maps only).
-        fds += [-1 if state.exact else os.open("/proc/kpageflags", os.O_RDONLY)]
+        if state.exact:
+            fds += [-1, -1]
+        else:
+            fds += [os.open(f"/proc/{ram.pid}/pagemap", os.O_RDONLY)]
+            fds += [os.open("/proc/kpageflags", os.O_RDONLY)]
         self.stats["written_pages_from"] = "cachestat" if state.exact else "kpageflags sample"
         self.stats["resident_pages_from"] = "cachestat" if state.exact else "QEMU's page map"
         resumed = False
@@ -371,7 +374,8 @@ class ResidencyKeeper(threading.Thread):
         self.stats["rounds"] += 1
 
     def _look(self, ram: residency.GuestRam, fds: list[int], state: _Chunks) -> residency.ChunkScan:
-        """Scan QEMU's mapping; count writes and age every chunk (updates ``state``)."""
+        """Read each chunk's residency and writes (the page cache, else QEMU's page
+        map); count writes and age every chunk (updates ``state``)."""
         file_fd, pagemap_fd, kpf_fd = fds[0], fds[2], fds[3]
         if state.exact:
             # The page cache, mapped or not, is what the VM is charged for.
