@@ -18,6 +18,7 @@ import array
 import time
 from pathlib import Path
 
+from agents.agent import residency
 from flexmig_lab import image, vm
 from flexmig_lab.lab import Lab
 from tests.bench.bench_split import RAM_MIB, _wait_ready
@@ -36,15 +37,6 @@ def _qemu_pid(name: str) -> int:
         if f"guest={name}" in ",".join(args):
             return int(cmdline.parent.name)
     raise LookupError(f"no QEMU for {name}")
-
-
-def _memory_file(pid: int, size: int) -> str:
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        fields = line.split()
-        start, end = (int(x, 16) for x in fields[0].split("-"))
-        if end - start == size and len(fields) >= 6 and fields[5].startswith("/"):
-            return fields[5]
-    raise LookupError(f"QEMU {pid} maps no {size} byte file")
 
 
 def classify(path: str, size: int) -> tuple[list[int], list[int]]:
@@ -86,7 +78,7 @@ def main() -> None:
         )
         _wait_ready(vm.LabVM(lab, name))
         time.sleep(5)
-        path = _memory_file(_qemu_pid(name), RAM_MIB << 20)
+        path = residency.GuestRam.find(_qemu_pid(name), RAM_MIB << 20).path
         wss, used = classify(path, RAM_MIB << 20)
         for label, pages in (("working set", wss), ("non-zero", used)):
             mib = len(pages) * PAGE >> 20
