@@ -23,6 +23,9 @@ from flexmig import exceptions
 
 LOG = logging.getLogger("flexmig.agent.api")
 MAX_BODY = 64 * 1024
+# A refused body is read and dropped up to this much so the refusal reaches
+# its sender (see _refuse_body); beyond it the connection is simply closed.
+REFUSED_BODY_DRAIN = 16 * 2**20
 Handler = Callable[[dict[str, Any], re.Match[str]], tuple[int, dict[str, Any]]]
 
 
@@ -122,13 +125,32 @@ def make_handler(verifier: auth.Verifier, router: Router) -> type[BaseHTTPReques
             self.end_headers()
             self.wfile.write(data)
 
+        def _refuse_body(self, length: int) -> None:
+            """400 for a body over MAX_BODY.  Closing with the body unread makes
+            the kernel answer the rest of it with a reset, and a reset can
+            discard the reply before its sender reads it; so the body is read
+            and dropped first, bounded by REFUSED_BODY_DRAIN and the request's
+            deadline."""
+            self.close_connection = True
+            self._reply(400, {"error": f"body must be 0..{MAX_BODY} bytes"})
+            self.wfile.flush()
+            left = min(length, REFUSED_BODY_DRAIN) if length > 0 else 0
+            try:
+                while left > 0:
+                    chunk = self.rfile.read1(min(left, 65536))
+                    if not chunk:
+                        break
+                    left -= len(chunk)
+            except OSError:
+                pass  # the sender gave up or the deadline cut it: nothing to keep
+
         def _handle(self, method: str) -> None:
             try:
                 length = int(self.headers.get("Content-Length") or 0)
             except ValueError:
                 length = -1
             if not 0 <= length <= MAX_BODY:
-                self._reply(400, {"error": f"body must be 0..{MAX_BODY} bytes"})
+                self._refuse_body(length)
                 return
             raw = self.rfile.read(length)
             self.server.request_read()  # the whole request is here: no more deadline
