@@ -41,6 +41,11 @@ ZSTD_RATIO = 2.0  # what the lab's guests' pages compress to, conservatively
 ZEROCOPY_MIN_BPS = 1200.0 * MIB
 # The switchover hint is the probed path; below this the probe says little.
 MIN_HINT_BPS = 8.0 * MIB
+# The libvirt whose postcopy resume works with QEMU >= 9.1 (its source side
+# passes through postcopy-recover-setup): 11.0's NEWS fixes "a failure to
+# recover post-copy migration even though the recovery started just fine";
+# the lab saw 9.0 fail and 11.3 resume.
+RECOVER_SETUP_LIBVIRT = 11_000_000
 
 
 def version_text(number: int) -> str:
@@ -82,9 +87,21 @@ class Feature:
     qemu: int
     what: str
     absent: str = "libvirt has no migration knob for it"  # why, where libvirt is None
+    # (QEMU release, libvirt release): from that QEMU on, the feature needs that
+    # libvirt, one that knows what the newer QEMU does.
+    newer_qemu: tuple[int, int] | None = None
 
     def missing(self, host: HostSoftware) -> str | None:
-        """What this host lacks for the feature, or None."""
+        """What this host lacks for the feature, or None.
+
+        >>> recovery = FEATURES["postcopy-recovery"]
+        >>> recovery.missing(HostSoftware(9_000_000, 10_000_002))
+        'needs libvirt 11.0.0 with QEMU 9.1.0 or later'
+        >>> recovery.missing(HostSoftware(9_000_000, 7_002_000)) is None
+        True
+        >>> recovery.missing(HostSoftware(11_003_000, 10_000_002)) is None
+        True
+        """
         if self.libvirt is None:
             return self.absent
         lacks = []
@@ -92,6 +109,12 @@ class Feature:
             lacks.append(f"libvirt {version_text(self.libvirt)}")
         if host.qemu < self.qemu:
             lacks.append(f"QEMU {version_text(self.qemu)}")
+        if self.newer_qemu and host.qemu >= self.newer_qemu[0] > 0:
+            qemu, libvirt = self.newer_qemu
+            if host.libvirt < libvirt:
+                lacks.append(
+                    f"libvirt {version_text(libvirt)} with QEMU {version_text(qemu)} or later"
+                )
         return "needs " + " and ".join(lacks) if lacks else None
 
 
@@ -110,6 +133,18 @@ FEATURES = {
             10_000_000,
             8_000_000,
             "a channel of its own for faulted pages, turned on by libvirt itself for postcopy",
+        ),
+        # libvirt drives the resume (VIR_MIGRATE_POSTCOPY_RESUME).  QEMU 9.1
+        # added a postcopy-recover-setup state to the source's resume; a
+        # libvirt that does not know it reports the resume failed, or its
+        # resume call never returns and holds the VM's job (seen with 9.0:
+        # docs/benchmarks/faults.md), leaving the VM paused on both hosts.
+        Feature(
+            "postcopy-recovery",
+            8_005_000,
+            3_000_000,
+            "resuming a postcopy whose connection broke, the VM paused on both hosts",
+            newer_qemu=(9_001_000, RECOVER_SETUP_LIBVIRT),
         ),
         Feature("multifd-zstd", 9_004_000, 5_000_000, "zstd compression of parallel channels"),
         Feature("zerocopy", 8_005_000, 7_001_000, "zero-copy send of parallel channels"),

@@ -116,6 +116,19 @@ migration_opts = [
         help="Seconds a broken postcopy keeps trying to resume (agent path).",
     ),
     cfg.StrOpt(
+        "postcopy_without_recovery",
+        default="warn",
+        choices=[
+            ("warn", "postcopy stays a choice; the plan and the migration's events warn"),
+            ("refuse", "no postcopy there: precopy (auto-converge) or split instead"),
+        ],
+        help="Postcopy between hosts whose libvirt cannot resume a postcopy whose "
+        "connection broke (flexmig explain's postcopy-recovery: libvirt older than "
+        "11.0 with QEMU 9.1 or later, or older than 8.5): a link failure after the "
+        "switch leaves such a VM paused on both hosts until libvirtd on the source "
+        "is restarted and the migration resumed by hand.",
+    ),
+    cfg.StrOpt(
         "tcp_fabric_transport",
         default="qemu-tcp",
         choices=[t for t in TRANSPORTS if t != "auto"],
@@ -163,6 +176,7 @@ class EngineOptions:
     setup_timeout_s: float = 60.0
     converge_timeout_s: float = 30.0
     recovery_timeout_s: float = 300.0
+    postcopy_without_recovery: str = "warn"
     tcp_fabric_transport: str = "qemu-tcp"
     transport: str = "auto"
 
@@ -204,6 +218,7 @@ def read(conf: cfg.ConfigOpts) -> EngineOptions:
         setup_timeout_s=values["setup_timeout"],
         converge_timeout_s=values["converge_timeout"],
         recovery_timeout_s=values["recovery_timeout"],
+        postcopy_without_recovery=values["postcopy_without_recovery"],
         tcp_fabric_transport=values["tcp_fabric_transport"],
         transport=values["transport"],
     )

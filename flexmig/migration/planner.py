@@ -211,15 +211,18 @@ shared and hugetlbfs memory and files on tmpfs or hugetlbfs)'
 
 
 def blockers(
-    vm: VmFacts, dest: DestinationFacts, opts: EngineOptions
+    vm: VmFacts, dest: DestinationFacts, opts: EngineOptions, recovery: str = "yes"
 ) -> tuple[str | None, str | None]:
-    """(postcopy blocker, split blocker) from the VM, the destination and the options."""
+    """(postcopy blocker, split blocker) from the VM, the destination, the options
+    and the pair's postcopy-recovery (its ``feature_matrix`` state)."""
     postcopy = postcopy_blocker(vm.memory)
     needs_split = split_budget(vm.memory.ram_bytes, dest.free_for_vms_bytes) is not None
     if postcopy is None and "postcopy" not in opts.allowed_modes:
         postcopy = "postcopy is not in [migration] allowed_modes"
     if postcopy is None and vm.paused:
         postcopy = "the VM is paused (libvirt refuses postcopy for a paused VM)"
+    if postcopy is None and opts.postcopy_without_recovery == "refuse":
+        postcopy = unrecoverable_postcopy(recovery, refused=True)
     split = None
     if "split" not in opts.allowed_modes:
         split = "split is not in [migration] allowed_modes"
@@ -228,6 +231,33 @@ def blockers(
         # that before the plan): where it fits, the missing reservation says nothing.
         split = "the destination reserved no split budget"
     return postcopy, split
+
+
+def unrecoverable_postcopy(recovery: str, refused: bool = False) -> str | None:
+    """What a postcopy between hosts without postcopy-recovery risks, or None
+    where they have it (or did not say: 'unknown' warns nothing it cannot back).
+
+    >>> print(unrecoverable_postcopy("no: source needs libvirt 11.0.0 with QEMU 9.1.0 or later"))
+    ... # doctest: +NORMALIZE_WHITESPACE
+    a postcopy whose connection breaks cannot be resumed between these hosts (source
+    needs libvirt 11.0.0 with QEMU 9.1.0 or later): a link failure after the switch would
+    leave the VM paused on both hosts until libvirtd on the source is restarted and the
+    migration resumed by hand ([migration] postcopy_without_recovery = refuse keeps VMs
+    off postcopy there)
+    >>> unrecoverable_postcopy("yes") is None
+    True
+    """
+    if not recovery.startswith("no"):
+        return None
+    risk = (
+        "a postcopy whose connection breaks cannot be resumed between these hosts "
+        f"({recovery.split(': ', 1)[-1]}): a link failure after the switch would leave the "
+        "VM paused on both hosts until libvirtd on the source is restarted and the "
+        "migration resumed by hand"
+    )
+    if refused:
+        return f"{risk}, and [migration] postcopy_without_recovery is refuse"
+    return f"{risk} ([migration] postcopy_without_recovery = refuse keeps VMs off postcopy there)"
 
 
 def stream_bandwidth(request: MigrationRequest, link: LinkFacts, opts: EngineOptions) -> float:
@@ -322,7 +352,8 @@ def plan(
     each VM at several bandwidth shares and fits once); None: fitted here.
     """
     source = source or SourceFacts()
-    postcopy, split = blockers(vm, dest, opts)
+    features = knobs.feature_matrix(source.software, dest.software)
+    postcopy, split = blockers(vm, dest, opts, features["postcopy-recovery"])
     budget_ms = request.downtime_budget_ms(opts.max_downtime_ms)
     bandwidth = stream_bandwidth(request, link, opts)
     mem = vm.memory
@@ -355,7 +386,6 @@ def plan(
             vm.name, [f"the policy chose {decision.mode}, which [migration] allowed_modes excludes"]
         )
     transport = choose_transport(request.transport, rdma_both_ends, opts.tcp_fabric_transport)
-    features = knobs.feature_matrix(source.software, dest.software)
     # Whoever asked for the mover (the agent's caller, Nova's destination that
     # started receivers): a postcopy plan where libvirt turns preempt on fails
     # at the switch over it.
@@ -387,7 +417,16 @@ def plan(
         features=features,
         hosts=(source.software, dest.software),
         guest_downtime=forecast,
-        notes=tuple(
-            writeback.notes(mem.file_backed, dest.software.qemu, dest.store_shares_libvirt_fs)
-        ),
+        notes=plan_notes(decision.transfer, mem, dest, features),
     )
+
+
+def plan_notes(
+    transfer: str, mem: GuestMemory, dest: DestinationFacts, features: dict[str, str]
+) -> tuple[str, ...]:
+    """What the plan warns of: the destination's writeback, postcopy without recovery."""
+    notes = list(writeback.notes(mem.file_backed, dest.software.qemu, dest.store_shares_libvirt_fs))
+    risk = unrecoverable_postcopy(features["postcopy-recovery"]) if transfer == "postcopy" else None
+    if risk:
+        notes.append(risk)
+    return tuple(notes)

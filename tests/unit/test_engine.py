@@ -8,7 +8,7 @@ import pytest
 from oslo_config import cfg
 
 from flexmig import exceptions
-from flexmig.migration import controller, options, planner
+from flexmig.migration import controller, knobs, options, planner
 from flexmig.migration.controller import Controller
 from flexmig.migration.facts import declared_backing, filesystem_of
 from flexmig.migration.options import EngineOptions
@@ -84,6 +84,7 @@ def test_defaults_are_one_set(tmp_path):
         ("converge_timeout = 0.5", "converge_timeout"),
         ("converge_timeout = nan", "converge_timeout"),
         ("transport = fast", "transport"),
+        ("postcopy_without_recovery = maybe", "postcopy_without_recovery"),
     ],
 )
 def test_a_bad_option_names_itself(tmp_path, text, option):
@@ -156,6 +157,36 @@ def test_allowed_modes_and_a_paused_vm_block_postcopy():
     assert "allowed_modes" in planner.blockers(vm, dest, no_postcopy)[0]
     paused = dataclasses.replace(vm, paused=True)
     assert "paused" in planner.blockers(paused, dest, EngineOptions())[0]
+
+
+def _hot_plan_between(libvirt: int, qemu: int, opts: EngineOptions) -> planner.Plan:
+    software = knobs.HostSoftware(libvirt, qemu)
+    return planner.plan(
+        MigrationRequest(vm="vm"),
+        vm_facts(hot=True, file_backed=False),
+        planner.DestinationFacts(4096 * MIB, 8192 * MIB, software=software),
+        planner.LinkFacts(fabric_bps=300 * MIB),
+        opts,
+        source=planner.SourceFacts(software=software),
+    )
+
+
+def test_postcopy_between_hosts_that_cannot_resume_it_is_warned_of_or_refused():
+    """libvirt 9.0 with QEMU 10 cannot resume a broken postcopy (the fault
+    campaign's lost VMs): the plan says so, and with refuse goes by precopy."""
+    warned = _hot_plan_between(9_000_000, 10_000_002, EngineOptions())
+    assert warned.decision.transfer == "postcopy"
+    assert warned.features["postcopy-recovery"].startswith("no: source needs libvirt 11.0.0")
+    assert "note: a postcopy whose connection breaks cannot be resumed" in warned.explain()
+    refuse = EngineOptions(postcopy_without_recovery="refuse")
+    refused = _hot_plan_between(9_000_000, 10_000_002, refuse)
+    assert refused.decision.transfer == "precopy"
+    assert "postcopy_without_recovery is refuse" in refused.decision.alternatives["postcopy"]
+    current = _hot_plan_between(11_003_000, 10_000_002, refuse)
+    assert current.decision.transfer == "postcopy"
+    assert "cannot be resumed" not in current.explain()
+    # Hosts that did not report their versions: nothing refused on a guess.
+    assert _hot_plan_between(0, 0, refuse).decision.transfer == "postcopy"
 
 
 def test_a_mode_the_operator_excludes_is_a_refusal_with_reasons():
