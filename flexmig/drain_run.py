@@ -114,6 +114,9 @@ class DrainRun:
         }
         self.measured: dict[str, dict[str, Any]] = {}
         self.replans: list[str] = []
+        # How much slower than the first plan the link has proved: a re-planned
+        # move's slowdown is measured against the re-plan, so they multiply.
+        self.slowdown = 1.0
         self._abort = threading.Event()
         self._t0 = 0.0
 
@@ -256,9 +259,10 @@ class DrainRun:
 
     def _replan(self, vm: str, factor: float) -> None:
         remaining = [self.vms[m.vm] for m in self.pending]
+        slowdown = self.slowdown * factor
         try:
             again = drain.replan(
-                self.plan, remaining, self.candidates, self.started, factor, self.max_concurrency
+                self.plan, remaining, self.candidates, self.started, slowdown, self.max_concurrency
             )
         except exceptions.FlexMigError as exc:
             # Migrations are running: the drain goes on with the plan it has.
@@ -269,11 +273,12 @@ class DrainRun:
         for name, why in again.unplaceable.items():
             self.outcomes[name] = drain.Outcome(name, "unplaceable", note=f"after re-plan: {why}")
         before = self.concurrency
+        self.slowdown = slowdown
         self.pending = [self._wait_for_running(m) for m in again.moves]
         self.concurrency = again.concurrency
         text = (
-            f"at {self._now():.1f} s {vm} ran {factor:.1f}x slower than planned: "
-            f"{len(self.pending)} VM(s) re-planned, {before} -> {self.concurrency} at once, "
+            f"at {self._now():.1f} s {vm} ran {factor:.1f}x slower than planned "
+            f"({slowdown:.1f}x the first plan's link): {len(self.pending)} VM(s) re-planned, {before} -> {self.concurrency} at once, "
             f"the rest predicted {again.total_s:.1f} s"
         )
         self.replans.append(text)

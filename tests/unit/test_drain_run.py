@@ -129,6 +129,45 @@ def test_a_slow_migration_makes_the_rest_replanned():
     assert any("re-planned" in e for e in events)
 
 
+class PacedBackend(ClockBackend):
+    """Each migration takes ``pace[vm]`` times what its move (as started) planned."""
+
+    def __init__(self, pace):
+        super().__init__({})
+        self.pace = pace
+
+    def start(self, move):
+        self.seconds[move.vm] = (move.end_s - move.start_s) * self.pace.get(move.vm, 1.0)
+        return super().start(move)
+
+
+def test_slowdowns_seen_one_after_another_multiply(monkeypatch):
+    """The second slow VM was started on the re-plan: its slowdown is on top of
+    the first's, and the rest is planned on both (the drain benchmark's re-plans
+    each predicted the rest at the first plan's rate over the last factor only)."""
+    fast = drain.Fabric(4000 * MIB, 4000 * MIB, setup_s=0.05, switchover_s=0.01)
+    vms = [vm(f"v{i}") for i in range(4)]
+    plan = drain.plan("A", vms, HOSTS, fast, 1)
+    monkeypatch.setattr(drain_run, "REPLAN_MIN_LATE_S", 0.0)
+    factors: list[float] = []
+    real_replan = drain.replan
+
+    def recording_replan(current, remaining, candidates, started, factor, max_concurrency):
+        factors.append(factor)
+        return real_replan(current, remaining, candidates, started, factor, max_concurrency)
+
+    monkeypatch.setattr(drain, "replan", recording_replan)
+    first, second = plan.moves[0].vm, plan.moves[1].vm
+    backend = PacedBackend({first: 3.0, second: 2.0})
+    runner = drain_run.DrainRun(plan, vms, HOSTS, backend, 1, print, poll_s=0.005)
+    assert runner.run().counts() == {"completed": 4}
+    # (A busy machine may make a later VM look slow too: a third re-plan.)
+    assert len(factors) >= 2, runner.replans
+    assert factors[0] >= 2.0
+    assert factors[1] >= factors[0] * 1.5, factors
+    assert runner.slowdown == factors[-1]
+
+
 def test_unplaceable_vms_are_in_the_report_and_never_started():
     vms = [vm("a"), drain.DrainVM.sized("huge", 9000 * MIB, MIB, DirtyModel(0, 1))]
     backend = ClockBackend({"a": 0.02})
