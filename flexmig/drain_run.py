@@ -278,7 +278,8 @@ class DrainRun:
         self.concurrency = again.concurrency
         text = (
             f"at {self._now():.1f} s {vm} ran {factor:.1f}x slower than planned "
-            f"({slowdown:.1f}x the first plan's link): {len(self.pending)} VM(s) re-planned, {before} -> {self.concurrency} at once, "
+            f"({slowdown:.1f}x the first plan's link): {len(self.pending)} VM(s) re-planned, "
+            f"{before} -> {self.concurrency} at once, "
             f"the rest predicted {again.total_s:.1f} s"
         )
         self.replans.append(text)
