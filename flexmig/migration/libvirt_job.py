@@ -360,6 +360,24 @@ class MigrationJob:
         except (libvirt.libvirtError, exceptions.FlexMigError):
             return False
 
+    def _destination_gone(self) -> bool:
+        """Whether the destination's libvirt says the VM is not active there (its
+        QEMU ended); False whenever it cannot be asked (a cut link, a daemon
+        restarting): only an answer counts."""
+
+        def ask() -> bool:
+            try:
+                with hypervisor.connect(self.config.dest_libvirt_uri, "destination") as conn:
+                    dom = hypervisor.find_domain(conn, self.dom.name())
+                    return dom is None or not dom.isActive()
+            except (libvirt.libvirtError, exceptions.FlexMigError):
+                return False
+
+        try:
+            return bool(self._call(ask, "ask the destination for the VM"))
+        except exceptions.Timeout:
+            return False
+
     def _resume_on_destination(self) -> None:
         """A VM paused for stop-and-copy must run where it landed."""
         try:
@@ -400,6 +418,11 @@ class MigrationJob:
                 self.result.state, self.result.recovered = "completed", True
                 self.on_event(recovery.landed_event(attempts, last_error))
                 return
+            if step.kind == recovery.DEST_GONE:
+                self.result.state = "failed"
+                self.result.error = recovery.destination_lost(self.dom.name())
+                self.on_event(self.result.error)
+                return
             if step.kind == recovery.GIVE_UP:
                 break
             time.sleep(step.delay_s)
@@ -427,6 +450,7 @@ class MigrationJob:
             time_left_s=deadline - time.monotonic(),
             fresh_transport=self.config.reopen_transport is not None,
             qemu_status=self._qemu_migration_status(),
+            destination_gone=self._destination_gone(),
         )
 
     def _resume(self, attempt: int, reopen: bool) -> str | None:

@@ -24,6 +24,7 @@ LANDED = "landed"  # the stream survived: the VM runs on the destination
 RESUME = "resume"  # try POSTCOPY_RESUME (after delay_s, on a fresh transport if asked)
 GIVE_UP = "give-up"  # out of time: the VM stays paused, recoverable
 WAIT = "wait"  # QEMU still carries a stream: leave it (and its transport) alone
+DEST_GONE = "dest-gone"  # the destination QEMU ended: nothing left to resume into
 
 # The source QEMU's migration states (query-migrate) in which a stream is still
 # carrying the VM: a resume libvirt reported failed may be going on all the
@@ -53,6 +54,9 @@ class RecoveryView:
     time_left_s: float  # until the recovery deadline
     fresh_transport: bool  # the transport must be reopened for every resume
     qemu_status: str = ""  # the source QEMU's migration state; "": unknown
+    # The destination's libvirt answered that the VM is not active there: its
+    # QEMU ended (killed, crashed).  An unreachable libvirt is not this.
+    destination_gone: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,11 +101,15 @@ def next_step(view: RecoveryView) -> Step:
     Step(kind='wait', delay_s=1.0, reopen=False)
     >>> next_step(dataclasses.replace(view, attempts=2, qemu_status="postcopy-paused")).kind
     'resume'
+    >>> next_step(dataclasses.replace(view, destination_gone=True)).kind
+    'dest-gone'
     """
     if view.runs_on_source:
         return Step(SOURCE_RUNS)
     if view.landed_on_destination:
         return Step(LANDED)
+    if view.destination_gone:
+        return Step(DEST_GONE)
     if view.qemu_status in QEMU_MOVING:
         if view.time_left_s <= WAIT_POLL_S:
             return Step(GIVE_UP)
@@ -133,6 +141,32 @@ def landed_event(attempts: int, last_error: str) -> str:
     return (
         f"postcopy resumed and completed (attempt {attempts}; QEMU completed the resume "
         f"that libvirt reported failed: {last_error})"
+    )
+
+
+def destination_lost(vm: str) -> str:
+    """The error when the destination QEMU ended after the switch to postcopy.
+
+    From the switch on the guest runs there and its newest pages exist only in
+    that QEMU: postcopy recovery repairs a broken stream between two living
+    QEMUs, not a dead one (QEMU's own postcopy documentation), so no resume
+    can help and none is tried.
+
+    >>> print(destination_lost("vm1"))  # doctest: +NORMALIZE_WHITESPACE
+    the destination QEMU of vm1 ended after the switch to postcopy, with the pages the
+    guest had written there since: postcopy cannot be resumed into it, and the VM
+    cannot run whole on either host (the risk every postcopy takes; a broken link is
+    recoverable, a lost QEMU is not). The source holds the VM paused as it was at the
+    switch, older than what the guest wrote to its disks since: do not resume it there;
+    destroy it and start it again from its disks
+    """
+    return (
+        f"the destination QEMU of {vm} ended after the switch to postcopy, with the pages "
+        "the guest had written there since: postcopy cannot be resumed into it, and the VM "
+        "cannot run whole on either host (the risk every postcopy takes; a broken link is "
+        "recoverable, a lost QEMU is not). The source holds the VM paused as it was at the "
+        "switch, older than what the guest wrote to its disks since: do not resume it "
+        "there; destroy it and start it again from its disks"
     )
 
 

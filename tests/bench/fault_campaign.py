@@ -308,6 +308,16 @@ FINDINGS = (
     "to send than before them, converge_timeout after the restart "
     "(flexmig/migration/reconcile.py abort_orphaned_precopy): the round runs of "
     "postcopy/*/kill-src-agent end in about a minute with the VM on the source.",
+    "A destination QEMU killed after the switch to postcopy (postcopy/*/kill-dst-qemu/"
+    "postcopy-switch and /switchover, which comes after the switch in a hybrid) takes "
+    "the guest's newest pages with it: postcopy recovery mends a broken stream between "
+    "two living QEMUs, not a dead one, so these cells lose the VM by design of postcopy, "
+    "not by a fault FlexMig can repair (the source keeps it paused as at the switch, "
+    "older than its disks). The first run (qemu-tcp, libvirt 9.0) tried 14 resumes for "
+    "120 s into a domain that no longer existed; the job now stops at the destination "
+    "libvirt's answer and says the VM must be started again from its disks "
+    "(flexmig/migration/recovery.py destination_lost). Where that risk is not wanted, "
+    "postcopy stays out of [migration] allowed_modes.",
 )
 
 

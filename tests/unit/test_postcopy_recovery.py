@@ -116,6 +116,7 @@ def _job(monkeypatch, outcomes: list[str | None], reopen=None, timeout_s: float 
     monkeypatch.setattr(MigrationJob, "_runs_on_source", lambda self: False)
     monkeypatch.setattr(MigrationJob, "_landed_on_destination", lambda self: False)
     monkeypatch.setattr(MigrationJob, "_qemu_migration_status", lambda self: "postcopy-paused")
+    monkeypatch.setattr(MigrationJob, "_destination_gone", lambda self: False)
     events: list[str] = []
     config = JobConfig(
         "qemu+tcp://b/system",
@@ -223,6 +224,22 @@ def test_a_resume_call_libvirt_never_ends_is_not_the_end_of_recovery(monkeypatch
     job._recover()
     assert job.result.state == "completed" and len(started) == 2
     assert any("did not end within" in e for e in events)
+
+
+def test_a_destination_qemu_that_ended_is_not_resumed_into_and_the_error_says_why(
+    monkeypatch, clock
+):
+    """The fault campaign killed the destination QEMU after the switch: the job
+    tried 14 resumes for 120 s into a domain that no longer existed."""
+    job, started, events = _job(monkeypatch, [], reopen=None)
+    gone = iter([False, True])  # a cut first (libvirt unreachable), then its answer
+    monkeypatch.setattr(MigrationJob, "_destination_gone", lambda self: next(gone))
+    job._recover()
+    assert job.result.state == "failed" and not job.result.recovered
+    assert len(started) == 1  # the attempt before libvirt said so; none after
+    error = job.result.error or ""
+    assert "destination QEMU of vm1 ended after the switch to postcopy" in error
+    assert "start it again from its disks" in error and events[-1] == error
 
 
 def test_a_job_held_by_a_stuck_resume_call_says_to_restart_libvirtd():
