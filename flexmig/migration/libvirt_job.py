@@ -44,6 +44,10 @@ BASE_FLAGS = (
     | libvirt.VIR_MIGRATE_UNDEFINE_SOURCE
 )
 
+# The source's VM states (state, reason) that mean it was given up as migrated.
+NO_DOMAIN = (-1, -1)  # the source has no such domain (a transient one is gone)
+SOURCE_MIGRATED = (libvirt.VIR_DOMAIN_SHUTOFF, libvirt.VIR_DOMAIN_SHUTOFF_MIGRATED)
+
 
 @dataclasses.dataclass(frozen=True)
 class JobConfig:
@@ -293,24 +297,40 @@ class MigrationJob:
         except exceptions.Timeout as exc:
             self.on_event(str(exc))
 
-    def _source_in_postcopy(self) -> bool:
-        """Whether the source has handed execution over (libvirt pauses it for postcopy).
+    def _source_state(self) -> tuple[int, int] | None:
+        """The source VM's (state, reason), NO_DOMAIN once the source has none,
+        None when libvirt cannot say.
 
-        Asked on a connection of its own: the job's may be the one stuck.
+        Read on a connection of its own where the job has the source's URI:
+        the job's may be the one stuck, and its domain handle dies with a
+        restarted libvirtd ("client socket is closed" ever after), which left
+        a postcopy that had completed across a source libvirtd restart
+        reported as paused on both hosts (fault campaign).
         """
 
-        def state() -> tuple[int, int]:
-            with hypervisor.connect(self.config.source_libvirt_uri, self.host) as conn:
-                dom = hypervisor.find_domain(conn, self.dom.name())
-                return tuple(dom.state()) if dom is not None else (0, 0)  # type: ignore[return-value]
+        def read() -> tuple[int, int]:
+            if self.config.source_libvirt_uri:
+                with hypervisor.connect(self.config.source_libvirt_uri, self.host) as conn:
+                    dom = hypervisor.find_domain(conn, self.dom.name())
+                    return tuple(dom.state()) if dom is not None else NO_DOMAIN  # type: ignore[return-value]
+            try:
+                return tuple(self.dom.state())  # type: ignore[return-value]
+            except libvirt.libvirtError as exc:
+                if exc.get_error_code() == libvirt.VIR_ERR_NO_DOMAIN:
+                    return NO_DOMAIN
+                raise
 
-        if not self.config.source_libvirt_uri:
-            return False
         try:
-            found = self._call(state, "report the source VM's state")
+            return self._call(read, "report the source VM's state")  # type: ignore[return-value]
         except (libvirt.libvirtError, exceptions.FlexMigError):
-            return False
-        return found == (libvirt.VIR_DOMAIN_PAUSED, libvirt.VIR_DOMAIN_PAUSED_POSTCOPY)
+            return None
+
+    def _source_in_postcopy(self) -> bool:
+        """Whether the source has handed execution over (libvirt pauses it for postcopy)."""
+        return self._source_state() == (
+            libvirt.VIR_DOMAIN_PAUSED,
+            libvirt.VIR_DOMAIN_PAUSED_POSTCOPY,
+        )
 
     def _give_up(self) -> None:
         """libvirt's job outlived its interruption: report where the VM is, keep it alive."""
@@ -331,33 +351,25 @@ class MigrationJob:
         )
 
     def _runs_on_source(self) -> bool:
-        try:
-            state = self._call(self.dom.state, "report the VM's state")
-        except (libvirt.libvirtError, exceptions.Timeout):
-            return False
-        code, _reason = state  # type: ignore[misc]
-        return code == libvirt.VIR_DOMAIN_RUNNING
+        state = self._source_state()
+        return state is not None and state[0] == libvirt.VIR_DOMAIN_RUNNING
 
     def _landed_on_destination(self) -> bool:
         """Whether the source gave the VM up as migrated and it runs on the destination."""
-        try:
-            return bool(self._call(self._landed, "report where the VM runs"))
-        except exceptions.Timeout:
-            return False
+        if self._source_state() not in (NO_DOMAIN, SOURCE_MIGRATED):
+            return False  # still there, or cannot tell: keep trying to resume
 
-    def _landed(self) -> bool:
-        try:
-            state, reason = self.dom.state()
-            if (state, reason) != (libvirt.VIR_DOMAIN_SHUTOFF, libvirt.VIR_DOMAIN_SHUTOFF_MIGRATED):
+        def dest_running() -> bool:
+            try:
+                with hypervisor.connect(self.config.dest_libvirt_uri, "destination") as conn:
+                    dom = hypervisor.find_domain(conn, self.dom.name())
+                    return dom is not None and dom.state()[0] == libvirt.VIR_DOMAIN_RUNNING
+            except (libvirt.libvirtError, exceptions.FlexMigError):
                 return False
-        except libvirt.libvirtError as exc:
-            if exc.get_error_code() != libvirt.VIR_ERR_NO_DOMAIN:
-                return False  # cannot tell: keep trying to resume
+
         try:
-            with hypervisor.connect(self.config.dest_libvirt_uri, "destination") as conn:
-                dom = hypervisor.find_domain(conn, self.dom.name())
-                return dom is not None and dom.state()[0] == libvirt.VIR_DOMAIN_RUNNING
-        except (libvirt.libvirtError, exceptions.FlexMigError):
+            return bool(self._call(dest_running, "report where the VM runs"))
+        except exceptions.Timeout:
             return False
 
     def _destination_gone(self) -> bool:

@@ -277,6 +277,8 @@ def _table_row(cell: Cell, row: dict[str, Any]) -> str:
     return f"| {cell.key} | " + " | ".join(str(n) for n in [*counts, na]) + " |"
 
 
+STOP_TIMEOUT_S = 30.0  # libvirtd's SIGTERM grace in the campaign (systemd's TimeoutStopSec)
+
 FINDINGS = (
     "postcopy over the mover transport: a resume needs a fresh mover pair (the old "
     "one dies with the stream); before that fix every resume went to the dead "
@@ -318,12 +320,39 @@ FINDINGS = (
     "libvirt's answer and says the VM must be started again from its disks "
     "(flexmig/migration/recovery.py destination_lost). Where that risk is not wanted, "
     "postcopy stays out of [migration] allowed_modes.",
+    "A source libvirtd restarted at the switch to postcopy "
+    "(postcopy/qemu-tcp/restart-src-libvirtd/postcopy-switch): QEMU's stream outlived "
+    "it and the VM landed on B, but the job asked where the VM ran through its domain "
+    "handle, dead with the old daemon ('client socket is closed'), could not tell, "
+    "resumed 14 times ('Domain not found') and reported the VM paused on both hosts. "
+    "The job now reads the source's state on a connection of its own "
+    "(libvirt_job._source_state). The harness's restart now ends libvirtd with SIGKILL "
+    "after 30 s of SIGTERM, as systemd would: a 9.0 daemon busy with a migration "
+    "outlived 30 s of SIGTERM and stopped the campaign.",
 )
 
 
 def save(results: dict[str, dict[str, Any]]) -> None:
     RESULTS.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
     TABLE.write_text(render_table(results))
+
+
+def restart_libvirtd(host: Any) -> None:
+    """Restart libvirtd as systemd does: SIGTERM, SIGKILL once its stop timeout
+    is spent (a libvirtd 9.0 busy with a migration ignored SIGTERM for 30 s)."""
+    for signal, wait_s in (("TERM", STOP_TIMEOUT_S), ("KILL", 10.0)):
+        host.ns.run(["sh", "-c", f"kill -{signal} $(cat /run/libvirtd.pid)"], check=False)
+        try:
+            processutil.wait_for(
+                lambda: not host._pid_alive("/run/libvirtd.pid"),
+                timeout=wait_s,
+                what=f"libvirtd to stop on SIG{signal}",
+            )
+            break
+        except exceptions.Timeout:
+            if signal == "KILL":
+                raise
+    host._start_libvirt()
 
 
 # -- one run ---------------------------------------------------------------------
@@ -415,13 +444,7 @@ class Campaign:
             time.sleep(float(fault[4:-1]))
             fabric.set_mgmt_link(spec, True)
         elif fault.endswith("-libvirtd"):
-            host[side].ns.run(["sh", "-c", "kill -TERM $(cat /run/libvirtd.pid)"], check=False)
-            processutil.wait_for(
-                lambda: not host[side]._pid_alive("/run/libvirtd.pid"),
-                timeout=30,
-                what="libvirtd to stop",
-            )
-            host[side]._start_libvirt()
+            restart_libvirtd(host[side])
         elif fault == "kill-dst-qemu":
             host["dst"].ns.run(["pkill", "-KILL", "-f", "qemu-system"], check=False)
         else:

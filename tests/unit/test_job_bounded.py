@@ -80,6 +80,9 @@ class WedgedDomain:
     def resume(self) -> None:
         self.calls.append("resume")
 
+    def isActive(self) -> bool:
+        return True
+
 
 def _run(monkeypatch, dom: WedgedDomain) -> tuple[job_module.JobResult, list[str], float]:
     def start_migration(_dom, _host, _uri, _params, _flags, _source_uri=""):

@@ -9,6 +9,7 @@ the VM paused and recoverable with an error that says so.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import threading
@@ -246,3 +247,58 @@ def test_a_job_held_by_a_stuck_resume_call_says_to_restart_libvirtd():
     stuck = "Requested operation is not valid: migration of domain vm1 " + recovery.STUCK_JOB
     assert "restart libvirtd on the source" in recovery.given_up(120, 7, stuck, "qemu+tcp://b")
     assert "restart libvirtd" not in recovery.given_up(120, 7, "connection refused", "x")
+
+
+class HandleOfARestartedLibvirtd:
+    """The job's domain handle once the source's libvirtd restarted: every call fails."""
+
+    def name(self) -> str:
+        return "vm1"
+
+    def state(self) -> tuple[int, int]:
+        raise libvirt.libvirtError("internal error: client socket is closed")
+
+
+class Listing:
+    """A fresh connection's view of one host: ``state`` of the VM, or None: no such domain."""
+
+    def __init__(self, state: tuple[int, int] | None) -> None:
+        self.vm_state = state
+
+    def lookupByName(self, name: str):
+        if self.vm_state is None:
+            error = libvirt.libvirtError(f"Domain not found: no domain with matching name '{name}'")
+            error.err = (libvirt.VIR_ERR_NO_DOMAIN, 0, "", 0, "", None, None, 0, 0)
+            raise error
+        state = self.vm_state
+        return type("Dom", (), {"state": lambda _self: state, "isActive": lambda _self: True})()
+
+
+@pytest.mark.parametrize(
+    ("source", "landed"),
+    [
+        (None, True),  # the transient source domain is gone: migrated
+        ((libvirt.VIR_DOMAIN_SHUTOFF, libvirt.VIR_DOMAIN_SHUTOFF_MIGRATED), True),
+        ((libvirt.VIR_DOMAIN_PAUSED, libvirt.VIR_DOMAIN_PAUSED_POSTCOPY), False),
+    ],
+)
+def test_where_the_vm_runs_is_read_afresh_after_a_source_libvirtd_restart(
+    monkeypatch, source, landed
+):
+    """Campaign postcopy/qemu-tcp/restart-src-libvirtd/postcopy-switch: QEMU's
+    stream outlived the restart and the VM landed on B, but the job asked its
+    dead handle, could not tell, and reported the VM paused on both hosts."""
+    hosts = {
+        "qemu+tcp://a/system": Listing(source),
+        "qemu+tcp://b/system": Listing((libvirt.VIR_DOMAIN_RUNNING, 1)),
+    }
+
+    @contextlib.contextmanager
+    def connect(uri, _host):
+        yield hosts[uri]
+
+    monkeypatch.setattr(libvirt_job.hypervisor, "connect", connect)
+    config = JobConfig("qemu+tcp://b/system", "tcp://b", source_libvirt_uri="qemu+tcp://a/system")
+    job = MigrationJob(HandleOfARestartedLibvirtd(), "A", make_plan(hot=True), config)  # type: ignore[arg-type]
+    assert job._landed_on_destination() is landed
+    assert not job._runs_on_source()
