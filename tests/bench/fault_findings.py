@@ -53,6 +53,6 @@ FINDINGS = (
     "The job now reads the source's state on a connection of its own "
     "(libvirt_job._source_state), and on the Nova path on Nova's Host connection, "
     "which Nova reopens after a daemon restart. The harness's restart now ends "
-    "libvirtd with SIGKILL after 30 s of SIGTERM, as systemd would: a 9.0 daemon busy with a migration "
-    "outlived 30 s of SIGTERM and stopped the campaign.",
+    "libvirtd with SIGKILL after 30 s of SIGTERM, as systemd would: a 9.0 daemon "
+    "busy with a migration outlived 30 s of SIGTERM and stopped the campaign.",
 )
