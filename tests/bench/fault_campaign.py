@@ -640,6 +640,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runs", type=int, default=1, help="runs per chosen cell this session")
     parser.add_argument("--list", action="store_true", help="print the cells and exit")
     parser.add_argument("--table-only", action="store_true", help="re-render the table")
+    parser.add_argument(
+        "--keep-on-stop",
+        action="store_true",
+        help="leave the lab up when a run loses a VM or a page, to look (flexmig-lab down ends it)",
+    )
     args = parser.parse_args(argv)  # fmt: skip
     results = load_results()
     if args.list:
@@ -672,7 +677,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"STOP: a VM or page was lost: {exc}", flush=True)
         status = 1
     finally:
-        lab.down()
+        if status and args.keep_on_stop:
+            print(f"the lab in {lab.dir} is left up as it was: .venv/bin/flexmig-lab down")
+        else:
+            lab.down()
     return status
 
 
