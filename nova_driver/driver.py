@@ -590,6 +590,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             recovery_timeout_s=opts.recovery_timeout_s,
             reopen_transport=pairs.reopen if pairs is not None else None,
             flags=planned.flags_used if planned is not None else None,
+            source_connection=self._source_connection,
         )
         LOG.warning("FlexMig: postcopy broke; resuming it", instance=instance)
         result = postcopy.resume(
@@ -604,6 +605,18 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         if result.state != "completed":
             raise postcopy.PostcopyNotRecovered(vm=instance.name, reason=result.error)
         LOG.info("FlexMig: postcopy resumed and completed", instance=instance)
+
+    def _source_connection(self) -> Any:
+        """This host's libvirt on Nova's own connection, which Nova reopens once
+        libvirtd restarted: the guest's domain handle dies with the old daemon,
+        and a postcopy that completed across a source libvirtd restart must not
+        be reported paused on both hosts (fault campaign)."""
+        try:
+            return self._host.get_connection()
+        except exception.HypervisorUnavailable as exc:
+            raise exceptions.BackendError(
+                backend="libvirt", reason=f"no connection to this host's libvirt: {exc}"
+            ) from exc
 
     def _set_downtime(self, guest: Any, plan: Plan, instance: Any) -> None:
         """The decision's downtime limit, once, instead of Nova's stepped increase."""

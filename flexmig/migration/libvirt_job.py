@@ -59,6 +59,10 @@ class JobConfig:
     # The source's own libvirt, for questions asked on a connection of their
     # own; "": not asked (the job's connection alone).
     source_libvirt_uri: str = ""
+    # Where the caller owns a connection to the source's libvirt that outlives
+    # a daemon restart (Nova's Host reopens its own): returns it, live, never
+    # closed by the job.  Used when source_libvirt_uri is "".
+    source_connection: Callable[[], libvirt.virConnect] | None = None
     # Longest wait for the first page to move: libvirt starts the destination
     # QEMU first, seconds on a busy host, which is no stall.
     setup_timeout_s: float = 60.0
@@ -87,6 +91,16 @@ class JobResult:
     recovered: bool = False
     elapsed_s: float = 0.0
     last_stats: dict[str, int] = dataclasses.field(default_factory=dict)
+
+
+def _vm_state(conn: libvirt.virConnect, name: str) -> tuple[int, int]:
+    """``name``'s (state, reason) on ``conn``, NO_DOMAIN where it has none."""
+    dom = hypervisor.find_domain(conn, name)
+    return tuple(dom.state()) if dom is not None else NO_DOMAIN  # type: ignore[return-value]
+
+
+def _running(state: tuple[int, int] | None) -> bool:
+    return state is not None and state[0] == libvirt.VIR_DOMAIN_RUNNING
 
 
 def _int_stats(stats: dict[str, object]) -> dict[str, int]:
@@ -301,18 +315,19 @@ class MigrationJob:
         """The source VM's (state, reason), NO_DOMAIN once the source has none,
         None when libvirt cannot say.
 
-        Read on a connection of its own where the job has the source's URI:
-        the job's may be the one stuck, and its domain handle dies with a
-        restarted libvirtd ("client socket is closed" ever after), which left
-        a postcopy that had completed across a source libvirtd restart
-        reported as paused on both hosts (fault campaign).
+        Read on a connection other than the job's where the job has one: the
+        job's may be the one stuck, and its domain handle dies with a restarted
+        libvirtd ("client socket is closed" ever after), which left a postcopy
+        that had completed across a source libvirtd restart reported as paused
+        on both hosts (fault campaign).
         """
 
         def read() -> tuple[int, int]:
             if self.config.source_libvirt_uri:
                 with hypervisor.connect(self.config.source_libvirt_uri, self.host) as conn:
-                    dom = hypervisor.find_domain(conn, self.dom.name())
-                    return tuple(dom.state()) if dom is not None else NO_DOMAIN  # type: ignore[return-value]
+                    return _vm_state(conn, self.dom.name())
+            if self.config.source_connection is not None:
+                return _vm_state(self.config.source_connection(), self.dom.name())
             try:
                 return tuple(self.dom.state())  # type: ignore[return-value]
             except libvirt.libvirtError as exc:
@@ -322,6 +337,19 @@ class MigrationJob:
 
         try:
             return self._call(read, "report the source VM's state")  # type: ignore[return-value]
+        except (libvirt.libvirtError, exceptions.FlexMigError):
+            return None
+
+    def _destination_state(self) -> tuple[int, int] | None:
+        """The destination VM's (state, reason), NO_DOMAIN where it has none,
+        None whenever it cannot be asked (a cut link, a daemon restarting)."""
+
+        def read() -> tuple[int, int]:
+            with hypervisor.connect(self.config.dest_libvirt_uri, "destination") as conn:
+                return _vm_state(conn, self.dom.name())
+
+        try:
+            return self._call(read, "ask the destination for the VM")  # type: ignore[return-value]
         except (libvirt.libvirtError, exceptions.FlexMigError):
             return None
 
@@ -349,46 +377,6 @@ class MigrationJob:
             f"{self._abort_reason or 'interrupted'}; libvirt's job did not end within "
             f"{self.config.end_timeout_s:.0f} s of the interruption: {where}"
         )
-
-    def _runs_on_source(self) -> bool:
-        state = self._source_state()
-        return state is not None and state[0] == libvirt.VIR_DOMAIN_RUNNING
-
-    def _landed_on_destination(self) -> bool:
-        """Whether the source gave the VM up as migrated and it runs on the destination."""
-        if self._source_state() not in (NO_DOMAIN, SOURCE_MIGRATED):
-            return False  # still there, or cannot tell: keep trying to resume
-
-        def dest_running() -> bool:
-            try:
-                with hypervisor.connect(self.config.dest_libvirt_uri, "destination") as conn:
-                    dom = hypervisor.find_domain(conn, self.dom.name())
-                    return dom is not None and dom.state()[0] == libvirt.VIR_DOMAIN_RUNNING
-            except (libvirt.libvirtError, exceptions.FlexMigError):
-                return False
-
-        try:
-            return bool(self._call(dest_running, "report where the VM runs"))
-        except exceptions.Timeout:
-            return False
-
-    def _destination_gone(self) -> bool:
-        """Whether the destination's libvirt says the VM is not active there (its
-        QEMU ended); False whenever it cannot be asked (a cut link, a daemon
-        restarting): only an answer counts."""
-
-        def ask() -> bool:
-            try:
-                with hypervisor.connect(self.config.dest_libvirt_uri, "destination") as conn:
-                    dom = hypervisor.find_domain(conn, self.dom.name())
-                    return dom is None or not dom.isActive()
-            except (libvirt.libvirtError, exceptions.FlexMigError):
-                return False
-
-        try:
-            return bool(self._call(ask, "ask the destination for the VM"))
-        except exceptions.Timeout:
-            return False
 
     def _resume_on_destination(self) -> None:
         """A VM paused for stop-and-copy must run where it landed."""
@@ -455,14 +443,20 @@ class MigrationJob:
         self.on_event(self.result.error)
 
     def _recovery_view(self, attempts: int, deadline: float) -> recovery.RecoveryView:
+        # One question to each host per step: each may be a fresh connection
+        # over a link that is cut.
+        source, destination = self._source_state(), self._destination_state()
         return recovery.RecoveryView(
-            runs_on_source=self._runs_on_source(),
-            landed_on_destination=self._landed_on_destination(),
+            runs_on_source=_running(source),
+            # The source gave the VM up as migrated and it runs there.
+            landed_on_destination=source in (NO_DOMAIN, SOURCE_MIGRATED) and _running(destination),
             attempts=attempts,
             time_left_s=deadline - time.monotonic(),
             fresh_transport=self.config.reopen_transport is not None,
             qemu_status=self._qemu_migration_status(),
-            destination_gone=self._destination_gone(),
+            # Only an answer counts: the destination's QEMU ended.
+            destination_gone=destination == NO_DOMAIN
+            or (destination is not None and destination[0] == libvirt.VIR_DOMAIN_SHUTOFF),
         )
 
     def _resume(self, attempt: int, reopen: bool) -> str | None:

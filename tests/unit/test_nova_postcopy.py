@@ -120,3 +120,23 @@ def test_a_stalled_postcopy_is_paused_for_the_resume_never_aborted(nova_helpers,
     assert watch.control.switched
     assert "pause-postcopy 1" in guest.calls and "abort" not in guest.calls
     assert ended == ["failed"]
+
+
+def test_the_source_is_read_on_novas_connection_and_its_loss_is_a_backend_error():
+    """The recovery reads the source on Nova's Host connection (reopened by Nova
+    after a libvirtd restart); Nova's HypervisorUnavailable never leaks raw."""
+    from nova import exception as nova_exception
+
+    from nova_driver import driver
+
+    live = object()
+    nova = driver.FlexMigLibvirtDriver.__new__(driver.FlexMigLibvirtDriver)
+    nova._host = types.SimpleNamespace(get_connection=lambda: live)
+    assert nova._source_connection() is live
+
+    def unavailable():
+        raise nova_exception.HypervisorUnavailable()
+
+    nova._host = types.SimpleNamespace(get_connection=unavailable)
+    with pytest.raises(exceptions.BackendError, match="no connection to this host's libvirt"):
+        nova._source_connection()

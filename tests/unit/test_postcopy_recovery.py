@@ -22,6 +22,9 @@ from flexmig.migration import libvirt_job, recovery
 from flexmig.migration.libvirt_job import JobConfig, MigrationJob
 from tests.unit.engine_fakes import make_plan
 
+PAUSED_POSTCOPY = (libvirt.VIR_DOMAIN_PAUSED, libvirt.VIR_DOMAIN_PAUSED_POSTCOPY)
+RUNNING = (libvirt.VIR_DOMAIN_RUNNING, libvirt.VIR_DOMAIN_RUNNING_MIGRATED)
+
 VIEW = recovery.RecoveryView(
     runs_on_source=False,
     landed_on_destination=False,
@@ -114,10 +117,9 @@ def _job(monkeypatch, outcomes: list[str | None], reopen=None, timeout_s: float 
         ]
 
     monkeypatch.setattr(libvirt_job.hypervisor, "start_migration", start)
-    monkeypatch.setattr(MigrationJob, "_runs_on_source", lambda self: False)
-    monkeypatch.setattr(MigrationJob, "_landed_on_destination", lambda self: False)
+    monkeypatch.setattr(MigrationJob, "_source_state", lambda self: PAUSED_POSTCOPY)
+    monkeypatch.setattr(MigrationJob, "_destination_state", lambda self: PAUSED_POSTCOPY)
     monkeypatch.setattr(MigrationJob, "_qemu_migration_status", lambda self: "postcopy-paused")
-    monkeypatch.setattr(MigrationJob, "_destination_gone", lambda self: False)
     events: list[str] = []
     config = JobConfig(
         "qemu+tcp://b/system",
@@ -201,8 +203,10 @@ def test_a_resume_qemu_carries_on_is_waited_for_not_torn_down(monkeypatch, clock
         ["postcopy-paused", "postcopy-recover", "postcopy-active"], itertools.repeat("completed")
     )
     monkeypatch.setattr(MigrationJob, "_qemu_migration_status", lambda self: next(states))
-    landed = iter([False, False, False, False, True])
-    monkeypatch.setattr(MigrationJob, "_landed_on_destination", lambda self: next(landed))
+    # The source gives the VM up as migrated on the fifth look.
+    source = iter([PAUSED_POSTCOPY] * 4 + [libvirt_job.SOURCE_MIGRATED])
+    monkeypatch.setattr(MigrationJob, "_source_state", lambda self: next(source))
+    monkeypatch.setattr(MigrationJob, "_destination_state", lambda self: RUNNING)
     job._recover()
     assert job.result.state == "completed" and job.result.recovered
     assert opened == [1] and len(started) == 1
@@ -233,8 +237,9 @@ def test_a_destination_qemu_that_ended_is_not_resumed_into_and_the_error_says_wh
     """The fault campaign killed the destination QEMU after the switch: the job
     tried 14 resumes for 120 s into a domain that no longer existed."""
     job, started, events = _job(monkeypatch, [], reopen=None)
-    gone = iter([False, True])  # a cut first (libvirt unreachable), then its answer
-    monkeypatch.setattr(MigrationJob, "_destination_gone", lambda self: next(gone))
+    # A cut first (libvirt unreachable: no answer), then its answer.
+    destination = iter([None, (libvirt.VIR_DOMAIN_SHUTOFF, libvirt.VIR_DOMAIN_SHUTOFF_CRASHED)])
+    monkeypatch.setattr(MigrationJob, "_destination_state", lambda self: next(destination))
     job._recover()
     assert job.result.state == "failed" and not job.result.recovered
     assert len(started) == 1  # the attempt before libvirt said so; none after
@@ -271,7 +276,7 @@ class Listing:
             error.err = (libvirt.VIR_ERR_NO_DOMAIN, 0, "", 0, "", None, None, 0, 0)
             raise error
         state = self.vm_state
-        return type("Dom", (), {"state": lambda _self: state, "isActive": lambda _self: True})()
+        return type("Dom", (), {"state": lambda _self: state})()
 
 
 @pytest.mark.parametrize(
@@ -290,7 +295,7 @@ def test_where_the_vm_runs_is_read_afresh_after_a_source_libvirtd_restart(
     dead handle, could not tell, and reported the VM paused on both hosts."""
     hosts = {
         "qemu+tcp://a/system": Listing(source),
-        "qemu+tcp://b/system": Listing((libvirt.VIR_DOMAIN_RUNNING, 1)),
+        "qemu+tcp://b/system": Listing(RUNNING),
     }
 
     @contextlib.contextmanager
@@ -298,7 +303,45 @@ def test_where_the_vm_runs_is_read_afresh_after_a_source_libvirtd_restart(
         yield hosts[uri]
 
     monkeypatch.setattr(libvirt_job.hypervisor, "connect", connect)
+    monkeypatch.setattr(MigrationJob, "_qemu_migration_status", lambda self: "")
     config = JobConfig("qemu+tcp://b/system", "tcp://b", source_libvirt_uri="qemu+tcp://a/system")
     job = MigrationJob(HandleOfARestartedLibvirtd(), "A", make_plan(hot=True), config)  # type: ignore[arg-type]
-    assert job._landed_on_destination() is landed
-    assert not job._runs_on_source()
+    view = job._recovery_view(0, deadline=1e12)
+    assert view.landed_on_destination is landed
+    assert not view.runs_on_source and not view.destination_gone
+
+
+@pytest.mark.parametrize(
+    ("destination", "gone"),
+    [
+        (None, True),  # no such domain: its QEMU ended, a transient domain with it
+        ((libvirt.VIR_DOMAIN_SHUTOFF, libvirt.VIR_DOMAIN_SHUTOFF_CRASHED), True),
+        (PAUSED_POSTCOPY, False),
+        (RUNNING, False),
+    ],
+)
+def test_nova_paths_source_is_read_on_the_connection_nova_keeps(monkeypatch, destination, gone):
+    """Nova's driver hands the job its Host's connection (reopened by Nova after
+    a libvirtd restart) rather than a URI: the job's own domain handle is
+    never asked; the destination is asked once per step."""
+    asked: list[str] = []
+
+    @contextlib.contextmanager
+    def connect(uri, _host):
+        asked.append(uri)
+        yield Listing(destination)
+
+    monkeypatch.setattr(libvirt_job.hypervisor, "connect", connect)
+    monkeypatch.setattr(MigrationJob, "_qemu_migration_status", lambda self: "")
+    config = JobConfig(
+        "qemu+tcp://b/system", "tcp://b", source_connection=lambda: Listing(PAUSED_POSTCOPY)
+    )
+    job = MigrationJob(HandleOfARestartedLibvirtd(), "A", make_plan(hot=True), config)  # type: ignore[arg-type]
+    view = job._recovery_view(0, deadline=1e12)
+    assert (view.destination_gone, view.runs_on_source, view.landed_on_destination) == (
+        gone,
+        False,
+        False,
+    )
+    assert asked == ["qemu+tcp://b/system"]
+    assert job._source_in_postcopy()
