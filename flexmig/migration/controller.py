@@ -9,6 +9,12 @@ Guest) feed it libvirt's job statistics and carry out the actions it returns:
   (``flexmig.policy.inflight``: switch, raise the downtime limit, stop and copy,
   the last also ``converge_timeout`` after the correction engaged if the
   remainder still does not fit);
+- no switch into a stream that has stopped moving (``SWITCH_NEEDS_MOVE_S``):
+  the switch would send the guest's device state into a dead link, and a
+  destination that never got it is killed by its libvirt once the peers'
+  keepalive expires, leaving the VM paused on the source (fault campaign,
+  postcopy/qemu-tcp/cut-30s/switchover); held, the stall watchdog aborts the
+  precopy and the VM runs on where it is;
 - the stall watchdog: no bytes moved for ``stall_timeout`` interrupts the job
   (the executor aborts a precopy; a postcopy it pauses for recovery where it
   can recover one, and otherwise leaves to libvirt and QEMU).
@@ -28,11 +34,17 @@ SWITCH = "switch_postcopy"
 SET_DOWNTIME = "set_downtime"
 PAUSE_GUEST = "pause_guest"  # seed 000's stop-and-copy
 INTERRUPT = "interrupt"
+HOLD_SWITCH = "hold_switch"  # nothing to carry out: the executor reports it
+
+# A switch needs bytes moved within this long: a cut link stops the counter
+# once the socket's buffer is full (a fraction of a second at tens of MiB/s),
+# while a moving stream advances it between any two polls.
+SWITCH_NEEDS_MOVE_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
 class Action:
-    kind: str  # SWITCH | SET_DOWNTIME | PAUSE_GUEST | INTERRUPT
+    kind: str  # SWITCH | SET_DOWNTIME | PAUSE_GUEST | INTERRUPT | HOLD_SWITCH
     reason: str
     downtime_ms: int | None = None
 
@@ -74,6 +86,7 @@ class Controller:
         self.stopped = False  # the guest is paused for stop-and-copy
         self._last_processed = -1
         self._last_move: float | None = None
+        self._held_since_move: float | None = None  # the move a held switch waits past
 
     def on_stats(self, stats: dict[str, int], now: float) -> list[Action]:
         """Actions for one poll; ``stats`` empty when libvirt gave none (no progress either)."""
@@ -87,6 +100,7 @@ class Controller:
                 actions.append(Action(SWITCH, f"the plan switches after round {round_done}"))
             elif not self.switched and not self.stopped:
                 actions += self._correction(stats, now)
+            actions = self._hold_switch_on_a_still_stream(actions, now)
         if self._last_move is None:
             self._last_move = now
         limit = self.stall_timeout_s if self._last_processed > 0 else self.setup_timeout_s
@@ -95,6 +109,24 @@ class Controller:
             actions.append(Action(INTERRUPT, f"no progress for {limit:.0f} s"))
             self._last_move = now  # re-armed: one interruption per stall period
         return actions
+
+    def _hold_switch_on_a_still_stream(self, actions: list[Action], now: float) -> list[Action]:
+        """``actions`` without a switch while the stream stands still, with one
+        HOLD_SWITCH per standstill saying why."""
+        still_s = now - self._last_move if self._last_move is not None else 0.0
+        if still_s <= SWITCH_NEEDS_MOVE_S or not any(a.kind == SWITCH for a in actions):
+            return actions
+        kept = [a for a in actions if a.kind != SWITCH]
+        if self._held_since_move != self._last_move:
+            self._held_since_move = self._last_move
+            kept.append(
+                Action(
+                    HOLD_SWITCH,
+                    f"switch to postcopy held: the stream has not moved for {still_s:.1f} s "
+                    "(a switch into a dead link would strand the VM's state in it)",
+                )
+            )
+        return kept
 
     def _correction(self, stats: dict[str, int], now: float) -> list[Action]:
         decision = self.plan.decision

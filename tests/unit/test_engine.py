@@ -265,6 +265,36 @@ def test_the_controller_switches_once_at_the_plans_round():
     assert control.on_stats(_stats(after + 2, 300), 3) == []
 
 
+def test_no_switch_into_a_stream_that_stopped_moving_and_the_hold_is_said_once():
+    """Campaign postcopy/qemu-tcp/cut-30s/switchover: the link was cut 2.9 s
+    before the plan's switch; the switch sent the device state into the dead
+    link, the destination's libvirt killed its QEMU at the keepalive timeout,
+    and the VM stayed paused on the source."""
+    plan = make_plan(hot=True, file_backed=False)
+    control = Controller(plan, stall_timeout_s=15, recovers_postcopy=True)
+    after = plan.decision.postcopy_after_round
+    control.on_stats(_stats(after, 100), 0)
+    # The round the switch waits for ends as the link goes: the counter stops.
+    assert control.on_stats(_stats(after + 1, 180), 0.2)[0].kind == controller.SWITCH
+    (hold,) = control.on_stats(_stats(after + 1, 180), 1.5)
+    assert hold.kind == controller.HOLD_SWITCH and "not moved for 1.3 s" in hold.reason
+    assert control.on_stats(_stats(after + 1, 180), 3.0) == []  # said once per standstill
+    # Bytes move again: the switch goes ahead.
+    assert [a.kind for a in control.on_stats(_stats(after + 1, 190), 3.2)] == [controller.SWITCH]
+    # Never moving again: the watchdog ends the precopy, the VM whole on the source.
+    kinds = [a.kind for a in control.on_stats(_stats(after + 1, 190), 18.5)]
+    assert kinds == [controller.HOLD_SWITCH, controller.INTERRUPT]
+
+
+def test_a_slow_poll_that_sees_bytes_moved_does_not_hold_the_switch():
+    plan = make_plan(hot=True, file_backed=False)
+    control = Controller(plan, stall_timeout_s=15, recovers_postcopy=True)
+    after = plan.decision.postcopy_after_round
+    control.on_stats(_stats(after, 100), 0)
+    (switch,) = control.on_stats(_stats(after + 1, 200), 5.0)  # 5 s between polls, bytes moved
+    assert switch.kind == controller.SWITCH
+
+
 def test_a_stall_in_postcopy_is_left_to_libvirt_where_the_executor_cannot_recover():
     plan = make_plan(hot=True, file_backed=False)
     for recovers, expected in ((False, []), (True, [controller.INTERRUPT])):
