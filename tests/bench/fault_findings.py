@@ -68,6 +68,6 @@ FINDINGS = (
     "job: nothing can run it again. The controller now holds a switch while the "
     "stream has not moved for 1 s (flexmig/migration/controller.py "
     "SWITCH_NEEDS_MOVE_S), so the stall watchdog aborts the precopy with the VM whole "
-    "on the source. Left: a cut within the second after a switch, before the device "
-    "state reached the destination.",
+    "on the source. Left: a cut in the second before a switch (the hold's threshold), "
+    "or after it before the device state reached the destination.",
 )
