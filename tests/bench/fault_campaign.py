@@ -215,6 +215,8 @@ def add_run(results: dict[str, dict[str, Any]], cell: Cell, run: dict[str, Any])
     row["kept_logs"] = row.get("kept_logs", 0) + len(run.get("kept_logs", []))
     row["next_ok"] += int(run["next_ok"])
     row["recovered"] += int(run["recovered"])
+    if run.get("switch_held"):  # the controller kept the switch off a still stream
+        row["switch_held"] = row.get("switch_held", 0) + 1
     for note in run["leftovers"] + ([run["error"]] if run["error"] else []):
         short = note[:120]
         if short not in row["notes"] and len(row["notes"]) < 4:
@@ -262,6 +264,10 @@ def render_table(results: dict[str, dict[str, Any]]) -> str:
         for version, why in sorted(results.get(cell.key, {}).get("not_applicable_why", {}).items()):
             count = results[cell.key]["not_applicable"][version]
             lines.append(f"- {cell.key}: libvirt {version}, {count} run(s): {why}")
+    lines += ["", "Runs whose switch to postcopy was held on a still stream (controller):", ""]
+    for cell in cells():
+        if results.get(cell.key, {}).get("switch_held"):
+            lines.append(f"- {cell.key}: {results[cell.key]['switch_held']}")
     lines += ["", "Runs by the lab hosts' libvirt (QEMU 10.0 throughout):", ""]
     for cell in cells():
         by_libvirt = results.get(cell.key, {}).get("libvirt")
@@ -356,6 +362,8 @@ class Campaign:
         self.budget(dst, FULL_BUDGET_MB)
         # (An n/a run's fault was left out on purpose: not "ended before the fault".)
         run = self.check(name, record, src, dst, mid, injected or bool(why_not), missed)
+        events = [text for _ts, text in record.get("events", [])]
+        run["switch_held"] = any(text.startswith("switch to postcopy held") for text in events)
         used = record.get("transport") or at_point.get("transport") or {}
         run["transport"] = used.get("transport")
         run["not_applicable"] = why_not or not_applicable(cell, used)

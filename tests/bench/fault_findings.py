@@ -55,4 +55,19 @@ FINDINGS = (
     "which Nova reopens after a daemon restart. The harness's restart now ends "
     "libvirtd with SIGKILL after 30 s of SIGTERM, as systemd would: a 9.0 daemon "
     "busy with a migration outlived 30 s of SIGTERM and stopped the campaign.",
+    "A link cut at the switchover point of a hybrid postcopy "
+    "(postcopy/qemu-tcp/cut-30s/switchover, libvirt 9.0, 2 runs, 2 VMs lost, lab kept "
+    "for the second): the plan's switch came 2.9 s into the cut, when the stream had "
+    "long stopped. The source QEMU stopped the guest and sent its device state into the "
+    "dead link; the destination never got it, and its libvirtd killed the incoming QEMU "
+    "when the peers' keepalive expired (30 s: 'connection closed due to keepalive "
+    "timeout', then 'terminating on signal 15 from libvirtd'). The source then held "
+    "the only whole copy of the VM, yet QEMU refuses both 'cont' ('Migration is not "
+    "finalized yet') and 'migrate_cancel' ('Postcopy migration in progress, cannot "
+    "cancel') once postcopy has started, and libvirt's resume waits on the migration "
+    "job: nothing can run it again. The controller now holds a switch while the "
+    "stream has not moved for 1 s (flexmig/migration/controller.py "
+    "SWITCH_NEEDS_MOVE_S), so the stall watchdog aborts the precopy with the VM whole "
+    "on the source. Left: a cut in the second before a switch (the hold's threshold), "
+    "or after it before the device state reached the destination.",
 )
