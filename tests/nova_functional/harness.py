@@ -276,6 +276,11 @@ class GuestWorkloads(fixtures.Fixture):
         self.useFixture(
             fixtures.MonkeyPatch(f"{domain.__module__}.Connection.domainListGetStats", list_stats)
         )
+        # libvirt's virConnect.lookupByName, which Nova's fake lacks: the
+        # engine's postcopy recovery reads the source on Nova's connection.
+        self.useFixture(
+            fixtures.MonkeyPatch(f"{domain.__module__}.Connection.lookupByName", _lookup_by_name)
+        )
 
     def _resume(self, dom: Any, dconnuri: str) -> None:
         """libvirt's POSTCOPY_RESUME: only a postcopy that broke can be resumed."""
@@ -367,6 +372,17 @@ class GuestWorkloads(fixtures.Fixture):
         record.outcome = "completed"
         dom._flexmig_job = None
         dom.complete_job()
+
+
+def _lookup_by_name(conn: Any, name: str) -> Any:
+    if name in conn._vms:
+        return conn._vms[name]
+    raise fakelibvirt.make_libvirtError(
+        fakelibvirt.libvirtError,
+        f"Domain not found: no domain with matching name '{name}'",
+        error_code=fakelibvirt.VIR_ERR_NO_DOMAIN,
+        error_domain=fakelibvirt.VIR_FROM_QEMU,
+    )
 
 
 def _not_running(dom: Any) -> Exception:
