@@ -44,6 +44,8 @@ BASE_FLAGS = (
     | libvirt.VIR_MIGRATE_UNDEFINE_SOURCE
 )
 
+LANDING_POLL_S = 1.0
+
 # The source's VM states (state, reason) that mean it was given up as migrated.
 NO_DOMAIN = (-1, -1)  # the source has no such domain (a transient one is gone)
 SOURCE_MIGRATED = (libvirt.VIR_DOMAIN_SHUTOFF, libvirt.VIR_DOMAIN_SHUTOFF_MIGRATED)
@@ -78,6 +80,9 @@ class JobConfig:
     # (yet).  The mover transport needs it: its pair dies with the stream.
     # None: resume over migration_uri (QEMU's own TCP listens again there).
     reopen_transport: Callable[[int], str] | None = None
+    # Longest a failed precopy's job asks where the VM ended up while the
+    # source cannot say (its libvirtd restarting) or holds it paused.
+    landing_check_s: float = 30.0
     # The libvirt flags the migration was started with, where another caller
     # started it (Nova): a resume repeats them.  None: the plan's own.
     flags: int | None = None
@@ -190,6 +195,12 @@ class MigrationJob:
         elif errors and self.result.switched_to_postcopy:
             self.on_event(f"postcopy interrupted ({errors[0]}); recovering")
             self._recover()
+        elif errors and self._landed_after_failure():
+            self.result.state = "completed"
+            self.on_event(
+                f"libvirt reported the migration failed ({errors[0]}), but QEMU completed "
+                "it: the VM runs on the destination"
+            )
         elif errors:
             self.result.state = "failed"
             self.result.error = self._abort_reason or str(errors[0])
@@ -377,6 +388,31 @@ class MigrationJob:
             f"{self._abort_reason or 'interrupted'}; libvirt's job did not end within "
             f"{self.config.end_timeout_s:.0f} s of the interruption: {where}"
         )
+
+    def _landed_after_failure(self) -> bool:
+        """Whether a precopy whose libvirt call failed landed all the same.
+
+        A source libvirtd restarted at the switchover ends libvirt's call
+        ("End of file while reading data") while QEMU completes the
+        migration, and the VM runs on the destination (fault campaign,
+        */qemu-tcp/restart-src-libvirtd/switchover: reported failed, VM on B).
+        Asked until the source says (up to landing_check_s): a VM running
+        there, or a QEMU whose migration failed, stayed; one given up as
+        migrated landed if it runs on the destination.
+        """
+        deadline = time.monotonic() + self.config.landing_check_s
+        while True:
+            source = self._source_state()
+            if _running(source):
+                return False
+            if source in (NO_DOMAIN, SOURCE_MIGRATED):
+                if _running(self._destination_state()):
+                    return True
+            elif source is not None and self._qemu_migration_status() in ("failed", "cancelled"):
+                return False  # paused (stop-and-copy) on a QEMU that kept the VM
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(LANDING_POLL_S)
 
     def _resume_on_destination(self) -> None:
         """A VM paused for stop-and-copy must run where it landed."""

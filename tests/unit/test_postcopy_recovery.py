@@ -345,3 +345,47 @@ def test_nova_paths_source_is_read_on_the_connection_nova_keeps(monkeypatch, des
     )
     assert asked == ["qemu+tcp://b/system"]
     assert job._source_in_postcopy()
+
+
+def _failed_precopy(monkeypatch, sources, destination=RUNNING, qemu="", check_s=30.0):
+    monkeypatch.setattr(MigrationJob, "_source_state", lambda self: next(sources))
+    monkeypatch.setattr(MigrationJob, "_destination_state", lambda self: destination)
+    monkeypatch.setattr(MigrationJob, "_qemu_migration_status", lambda self: qemu)
+    config = JobConfig("qemu+tcp://b/system", "tcp://b", landing_check_s=check_s)
+    return MigrationJob(Dom(), "A", make_plan(), config)  # type: ignore[arg-type]
+
+
+def test_a_precopy_libvirt_called_failed_that_qemu_completed_is_reported_landed(monkeypatch, clock):
+    """Campaign */qemu-tcp/restart-src-libvirtd/switchover: the source libvirtd's
+    restart ended libvirt's call ("End of file while reading data") while QEMU
+    completed the migration; the job reported failed with the VM running on B."""
+    # The restarting daemon cannot say, then the source has given the VM up.
+    job = _failed_precopy(monkeypatch, iter([None, None, libvirt_job.SOURCE_MIGRATED]))
+    assert job._landed_after_failure()
+    assert clock.slept == [libvirt_job.LANDING_POLL_S] * 2
+
+
+@pytest.mark.parametrize(
+    ("sources", "qemu", "polls"),
+    [
+        ([RUNNING], "", 0),  # libvirt rolled back: the VM runs on the source
+        ([(libvirt.VIR_DOMAIN_PAUSED, libvirt.VIR_DOMAIN_PAUSED_USER)], "failed", 0),
+        ([None, None, RUNNING], "", 2),
+    ],
+)
+def test_a_failed_precopy_that_stayed_on_the_source_is_not_taken_for_landed(
+    monkeypatch, clock, sources, qemu, polls
+):
+    job = _failed_precopy(monkeypatch, iter(sources), qemu=qemu)
+    assert not job._landed_after_failure()
+    assert len(clock.slept) == polls
+
+
+def test_a_source_gone_without_the_vm_running_on_the_destination_is_not_landed(monkeypatch, clock):
+    """Given up on the source yet not running on the destination: no landing is
+    claimed, whatever happens next, once landing_check_s is spent."""
+    job = _failed_precopy(
+        monkeypatch, itertools.repeat(libvirt_job.NO_DOMAIN), destination=None, check_s=5.0
+    )
+    assert not job._landed_after_failure()
+    assert clock.now >= 1005.0
