@@ -70,4 +70,10 @@ FINDINGS = (
     "SWITCH_NEEDS_MOVE_S), so the stall watchdog aborts the precopy with the VM whole "
     "on the source. Left: a cut in the second before a switch (the hold's threshold), "
     "or after it before the device state reached the destination.",
+    "A source libvirtd restarted at the switchover of a precopy "
+    "(precopy/qemu-tcp and split/qemu-tcp restart-src-libvirtd/switchover, one run "
+    "each): libvirt's call ended ('End of file while reading data') while QEMU "
+    "completed the migration, and the job reported failed with the VM running on B. "
+    "The job now asks where the VM is before it reports a failure "
+    "(libvirt_job._landed_after_failure: up to 30 s while the source cannot say).",
 )
