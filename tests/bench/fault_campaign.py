@@ -54,6 +54,7 @@ from agents.agent import mover_files as agent_mover_files
 from flexmig import exceptions, hypervisor, migrate_cli, processutil
 from flexmig_lab import fabric, vm
 from flexmig_lab.lab import CGROUP_ROOT, Lab
+from tests.bench import fault_runs
 from tests.bench.fault_findings import FINDINGS
 
 RESULTS = Path("docs/benchmarks/faults.json")
@@ -253,6 +254,7 @@ def render_table(results: dict[str, dict[str, Any]]) -> str:
         "",
         f"Cells run so far: {started} of {len(cells())}; at {TARGET_RUNS} runs: {done}.",
         "",
+        *fault_runs.render(fault_runs.load()),
         "Notes (first errors and leftovers seen per cell):",
         "",
     ]
@@ -667,7 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     lab.up()
     small_stores(lab)
     campaign = Campaign(lab)
-    libvirt_version = lab_libvirt(lab)
+    libvirt_version, code = lab_libvirt(lab), fault_runs.code_version()
     status = 0
     try:
         for cell in choose(results, args.cells or ["*"], args.runs, libvirt_version):
@@ -675,10 +677,12 @@ def main(argv: list[str] | None = None) -> int:
                 break
             started = time.monotonic()
             run = campaign.run(cell) | {"libvirt": libvirt_version}
+            took = time.monotonic() - started
             add_run(results, cell, run)
+            fault_runs.log_run(cell.key, run, took, code)
             save(results)
             print(f"{datetime.datetime.now():%H:%M:%S} {cell.key}: {json.dumps(run)} "
-                  f"({time.monotonic() - started:.0f} s)", flush=True)  # fmt: skip
+                  f"({took:.0f} s)", flush=True)  # fmt: skip
             if run["hosts"] != 1 or run["bad"] or run["lost"]:
                 raise CampaignStop(f"{cell.key}: {run}")
     except CampaignStop as exc:
