@@ -188,3 +188,11 @@ def test_the_code_version_names_a_commit_and_marks_a_changed_tree(tmp_path):
     assert len(clean) == 12 and "+" not in clean
     (tmp_path / "a.py").write_text("x = 2\n")
     assert fault_runs.code_version(tmp_path) == f"{clean}+changes"
+
+
+def test_cells_that_lose_the_vm_by_design_run_only_when_named_in_full():
+    lossy = "postcopy/mover/kill-dst-qemu/postcopy-switch"
+    assert lossy in fc.LOSS_BY_DESIGN
+    assert lossy not in {c.key for c in fc.choose({}, ["*"], 1)}
+    assert lossy not in {c.key for c in fc.choose({}, ["postcopy/*"], 1)}
+    assert [c.key for c in fc.choose({}, [lossy], 1)] == [lossy]
