@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from flexmig import exceptions
-from flexmig.policy import drain
+from flexmig.policy import drain, drain_report
 
 POLL_S = 0.5
 PROGRESS_EVERY_S = 2.0
@@ -61,7 +61,7 @@ class _Running:
 @dataclasses.dataclass
 class DrainReport:
     plan: drain.DrainPlan
-    outcomes: list[drain.Outcome]
+    outcomes: list[drain_report.Outcome]
     total_s: float
     replans: list[str]
     aborted: bool
@@ -74,7 +74,7 @@ class DrainReport:
         return counts
 
     def table(self) -> str:
-        lines = [drain.compare(self.plan, self.outcomes, self.total_s)]
+        lines = [drain_report.compare(self.plan, self.outcomes, self.total_s)]
         for out in self.outcomes:
             if out.note:
                 lines.append(f"  {out.vm}: {out.note}")
@@ -109,8 +109,9 @@ class DrainRun:
         self.pending = list(plan.moves)
         self.running: dict[str, _Running] = {}
         self.started: list[drain.Move] = []
-        self.outcomes: dict[str, drain.Outcome] = {
-            vm: drain.Outcome(vm, "unplaceable", note=why) for vm, why in plan.unplaceable.items()
+        self.outcomes: dict[str, drain_report.Outcome] = {
+            vm: drain_report.Outcome(vm, "unplaceable", note=why)
+            for vm, why in plan.unplaceable.items()
         }
         self.measured: dict[str, dict[str, Any]] = {}
         self.replans: list[str] = []
@@ -166,7 +167,7 @@ class DrainRun:
 
     def _skip_pending(self) -> None:
         for move in self.pending:
-            self.outcomes[move.vm] = drain.Outcome(
+            self.outcomes[move.vm] = drain_report.Outcome(
                 move.vm, "skipped", mode=move.mode, dest=move.dest, note="drain aborted: not moved"
             )
         self.on_event(f"drain: aborted, {len(self.pending)} VM(s) will not be started")
@@ -198,7 +199,7 @@ class DrainRun:
         try:
             handle = self.backend.start(move)
         except exceptions.FlexMigError as exc:
-            self.outcomes[move.vm] = drain.Outcome(
+            self.outcomes[move.vm] = drain_report.Outcome(
                 move.vm, "failed", now, now, move.mode, move.dest, note=f"not started: {exc}"
             )
             self.on_event(f"{move.vm}: could not start ({exc}); it stays on the source")
@@ -222,7 +223,7 @@ class DrainRun:
             end = self._now()
             del self.running[vm]
             self.measured[vm] = status.measured
-            self.outcomes[vm] = drain.Outcome(
+            self.outcomes[vm] = drain_report.Outcome(
                 vm,
                 status.state,
                 run.started,
@@ -271,7 +272,9 @@ class DrainRun:
             self.on_event(f"drain: {text}")
             return
         for name, why in again.unplaceable.items():
-            self.outcomes[name] = drain.Outcome(name, "unplaceable", note=f"after re-plan: {why}")
+            self.outcomes[name] = drain_report.Outcome(
+                name, "unplaceable", note=f"after re-plan: {why}"
+            )
         before = self.concurrency
         self.slowdown = slowdown
         self.pending = [self._wait_for_running(m) for m in again.moves]

@@ -32,6 +32,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from nova import exception as nova_exception
+from nova.virt.libvirt import guest as libvirt_guest
 from nova.virt.libvirt import migration as libvirt_migrate
 from oslo_log import log as logging
 
@@ -189,7 +191,10 @@ class PlanMonitor:
         migration = self.migration
         on_failure: collections.deque[str] = collections.deque()
         while True:
-            info = self._job_info(guest)
+            try:
+                info = self._job_info(guest)
+            except lv.libvirtError as exc:
+                guest, info = self._looked_up_afresh(instance, guest, exc)
             if info is None:
                 self._unanswered(guest)
                 time.sleep(POLL_S)
@@ -320,6 +325,33 @@ class PlanMonitor:
         except exceptions.Timeout as exc:
             LOG.warning("FlexMig: %s", exc)
             return None
+
+    def _looked_up_afresh(self, instance: Any, guest: Any, error: Exception) -> tuple[Any, Any]:
+        """(guest, job info) after the guest's job info failed with an error Nova
+        does not read (it reads a domain gone as COMPLETED).
+
+        A source libvirtd restarted at the switchover: the guest's handle died
+        with the old daemon ('client socket is closed') while QEMU completed
+        the move (fault campaign, restart-src-libvirtd/switchover).  Nova's
+        find_job_type on that handle reads FAILED, and its rollback destroys
+        the destination that runs the VM.  The VM is looked up again on Nova's
+        connection, which Nova reopens: gone from this host, the job reads
+        COMPLETED (and the landing check asks the destination); found, the
+        next poll asks the fresh handle; libvirt still away, the next poll
+        tries again (an unanswered poll feeds the stall watchdog).
+        """
+        LOG.warning(
+            "FlexMig: libvirt's job info failed (%s); looking the VM up again",
+            error,
+            instance=instance,
+        )
+        try:
+            return self.host.get_guest(instance), None
+        except nova_exception.InstanceNotFound:
+            return guest, libvirt_guest.JobInfo(type=self.libvirt.VIR_DOMAIN_JOB_COMPLETED)
+        except (nova_exception.NovaException, self.libvirt.libvirtError) as exc:
+            LOG.warning("FlexMig: this host's libvirt cannot say yet: %s", exc, instance=instance)
+            return guest, None
 
     def _unanswered(self, guest: Any) -> None:
         """libvirt gives no job info: no progress, so a precopy is aborted in time."""

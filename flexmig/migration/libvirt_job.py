@@ -108,6 +108,12 @@ def _running(state: tuple[int, int] | None) -> bool:
     return state is not None and state[0] == libvirt.VIR_DOMAIN_RUNNING
 
 
+def _given_up_as_migrated(source: tuple[int, int] | None) -> bool:
+    """The source no longer has the VM, or shut it off as migrated: only then
+    can a VM running on the destination be the one that landed."""
+    return source in (NO_DOMAIN, SOURCE_MIGRATED)
+
+
 def _int_stats(stats: dict[str, object]) -> dict[str, int]:
     return {k: v for k, v in stats.items() if isinstance(v, int)}
 
@@ -405,7 +411,7 @@ class MigrationJob:
             source = self._source_state()
             if _running(source):
                 return False
-            if source in (NO_DOMAIN, SOURCE_MIGRATED):
+            if _given_up_as_migrated(source):
                 if _running(self._destination_state()):
                     return True
             elif source is not None and self._qemu_migration_status() in ("failed", "cancelled"):
@@ -484,8 +490,7 @@ class MigrationJob:
         source, destination = self._source_state(), self._destination_state()
         return recovery.RecoveryView(
             runs_on_source=_running(source),
-            # The source gave the VM up as migrated and it runs there.
-            landed_on_destination=source in (NO_DOMAIN, SOURCE_MIGRATED) and _running(destination),
+            landed_on_destination=_given_up_as_migrated(source) and _running(destination),
             attempts=attempts,
             time_left_s=deadline - time.monotonic(),
             fresh_transport=self.config.reopen_transport is not None,

@@ -197,6 +197,10 @@ class GuestWorkloads(fixtures.Fixture):
         # Guests whose postcopy stream breaks once (QEMU pauses postcopy on
         # both hosts); a later POSTCOPY_RESUME completes it.
         self.break_postcopy: set[str] = set()
+        # Guests whose source libvirtd restarts as QEMU completes the move:
+        # the call ends with 'End of file', the handles taken before the
+        # restart answer 'client socket is closed' until looked up again.
+        self.restart_source_libvirtd: set[str] = set()
         self.seen: dict[str, MigrationSeen] = {}
         self.hold = threading.Event()  # set: rounds run freely
         self.hold.set()
@@ -225,6 +229,10 @@ class GuestWorkloads(fixtures.Fixture):
             harness.record(dom.name()).dirty_periods.append(seconds)
 
         def job_stats(dom: Any, flags: int = 0) -> dict[str, int]:
+            if getattr(dom, "_handle_died", False):
+                raise _libvirt_error(
+                    "internal error: client socket is closed", fakelibvirt.VIR_ERR_INTERNAL_ERROR
+                )
             if dom._state == fakelibvirt.VIR_DOMAIN_SHUTOFF:
                 # libvirt's answer for an inactive domain (virDomainGetJobStats).
                 raise _not_running(dom)
@@ -275,6 +283,16 @@ class GuestWorkloads(fixtures.Fixture):
             self.useFixture(fixtures.MonkeyPatch(f"{domain.__module__}.Domain.{name}", value))
         self.useFixture(
             fixtures.MonkeyPatch(f"{domain.__module__}.Connection.domainListGetStats", list_stats)
+        )
+        lookup_by_uuid = fakelibvirt.Connection.lookupByUUIDString
+
+        def fresh_lookup(conn: Any, uuid: str) -> Any:
+            dom = lookup_by_uuid(conn, uuid)
+            dom._handle_died = False  # a handle from the restarted daemon
+            return dom
+
+        self.useFixture(
+            fixtures.MonkeyPatch(f"{domain.__module__}.Connection.lookupByUUIDString", fresh_lookup)
         )
         # libvirt's virConnect.lookupByName, which Nova's fake lacks: the
         # engine's postcopy recovery reads the source on Nova's connection.
@@ -371,6 +389,15 @@ class GuestWorkloads(fixtures.Fixture):
         dest.createXML(params["destination_xml"], 0)
         record.outcome = "completed"
         dom._flexmig_job = None
+        if dom.name() in self.restart_source_libvirtd:
+            # QEMU completed; the restarted daemon finds it gone (shut off).
+            self.restart_source_libvirtd.discard(dom.name())
+            record.outcome = "completed across a source libvirtd restart"
+            dom._state, dom._handle_died = fakelibvirt.VIR_DOMAIN_SHUTOFF, True
+            raise _libvirt_error(
+                "End of file while reading data: Input/output error",
+                fakelibvirt.VIR_ERR_SYSTEM_ERROR,
+            )
         dom.complete_job()
 
 
@@ -391,4 +418,10 @@ def _not_running(dom: Any) -> Exception:
         f"Requested operation is not valid: domain '{dom.name()}' is not running",
         error_code=fakelibvirt.VIR_ERR_OPERATION_INVALID,
         error_domain=fakelibvirt.VIR_FROM_QEMU,
+    )
+
+
+def _libvirt_error(message: str, code: int) -> Exception:
+    return fakelibvirt.make_libvirtError(
+        fakelibvirt.libvirtError, message, error_code=code, error_domain=fakelibvirt.VIR_FROM_RPC
     )

@@ -366,6 +366,26 @@ class TestLanding(FlexMigNovaTestBase):
         )
         self.assertNotIn(name, [dom.name() for dom in dest.listAllDomains(every)])
 
+    def test_a_move_completed_across_a_source_libvirtd_restart_is_recorded_moved(self) -> None:
+        """The source libvirtd restarts as QEMU completes: the migration call
+        ends with 'End of file', the guest's handle answers 'client socket is
+        closed'.  Nova's reading of that handle is FAILED, and its rollback
+        would destroy the destination that runs the VM (fault campaign,
+        restart-src-libvirtd/switchover); the monitor looks the VM up again."""
+        server = self._boot(harness.IDLE)
+        name = self._domain_name(server)
+        self.guests.restart_source_libvirtd.add(name)
+        self._migrate_live(server)
+        migration = self._wait_for_end(server)
+
+        self.assertEqual(
+            "completed across a source libvirtd restart", self.guests.seen[name].outcome
+        )
+        self.assertEqual("completed", migration["status"])
+        self._assert_on(server, "dest")
+        dest = self.computes["dest"].driver._host.get_connection()
+        self.assertEqual(fakelibvirt.VIR_DOMAIN_RUNNING, dest.lookupByName(name).state()[0])
+
     def _wait_for_round(self, name: str) -> None:
         deadline = time.monotonic() + WAIT_S
         while time.monotonic() < deadline:

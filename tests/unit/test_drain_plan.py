@@ -11,7 +11,7 @@ from flexmig.migration import planner
 from flexmig.migration.knobs import HostSoftware
 from flexmig.migration.options import EngineOptions
 from flexmig.migration.request import MigrationRequest
-from flexmig.policy import drain, drain_schedule
+from flexmig.policy import drain, drain_report, drain_schedule
 from flexmig.policy.decision import QEMU_OVERHEAD_BYTES
 from flexmig.policy.dirty_model import DirtyModel
 
@@ -205,11 +205,11 @@ def test_slowdown_and_compare():
     assert drain.slowdown(10, 30, 0.5) == pytest.approx(6.0)
     assert drain.slowdown(0, 30, 0.5) == 1.0
     p = drain.plan("A", [vm("a"), vm("b")], [host("B")], FAST)
-    table = drain.compare(
+    table = drain_report.compare(
         p,
         [
-            drain.Outcome("a", "completed", 0, 2, "precopy", "B"),
-            drain.Outcome("b", "failed", 0, None, note="x"),
+            drain_report.Outcome("a", "completed", 0, 2, "precopy", "B"),
+            drain_report.Outcome("b", "failed", 0, None, note="x"),
         ],
         4.0,
     )

@@ -1,8 +1,11 @@
 """The fault campaign's bookkeeping: which cells exist, how runs accumulate."""
 
+import subprocess
+
 import pytest
 
 from tests.bench import fault_campaign as fc
+from tests.bench import fault_runs
 
 
 def _run(**kw):
@@ -160,3 +163,36 @@ def test_the_round_waits_for_bytes_and_a_timeout_says_what_it_waited_for(monkeyp
     monkeypatch.setattr(fc, "PHASE_TIMEOUT_S", 0.2)
     with pytest.raises(fc.exceptions.Timeout, match=r"point round: .*memory_processed > 0"):
         campaign.wait_point(_Agent(_record(memory_processed=0)), "m1", "round")
+
+
+def test_each_run_is_logged_with_its_code_and_a_loss_shows_in_its_cells_row(tmp_path):
+    log = tmp_path / "runs.jsonl"
+    cell = fc.cells()[0].key
+    fault_runs.log_run(cell, _run(state="completed", libvirt="9.0.0"), 61.0, "abc123", log)
+    fault_runs.log_run(cell, _run(hosts=2, lost=3, next_ok=False), 90.0, "def456+changes", log)
+    lines = fault_runs.load(log)
+    assert [line["code"] for line in lines] == ["abc123", "def456+changes"]
+    assert lines[0]["libvirt"] == "9.0.0" and lines[1]["vm_lost"]
+    section = "\n".join(fault_runs.render(lines))
+    assert f"| {cell} | 2 | 1 | 3 | 0 | 1 | 75.5 | 0 | abc123, def456+changes |" in section
+    assert fault_runs.render([]) == []
+
+
+def test_the_code_version_names_a_commit_and_marks_a_changed_tree(tmp_path):
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    subprocess.run([*git, "add", "a.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "a"], check=True)
+    clean = fault_runs.code_version(tmp_path)
+    assert len(clean) == 12 and "+" not in clean
+    (tmp_path / "a.py").write_text("x = 2\n")
+    assert fault_runs.code_version(tmp_path) == f"{clean}+changes"
+
+
+def test_cells_that_lose_the_vm_by_design_run_only_when_named_in_full():
+    lossy = "postcopy/mover/kill-dst-qemu/postcopy-switch"
+    assert lossy in fc.LOSS_BY_DESIGN
+    assert lossy not in {c.key for c in fc.choose({}, ["*"], 1)}
+    assert lossy not in {c.key for c in fc.choose({}, ["postcopy/*"], 1)}
+    assert [c.key for c in fc.choose({}, [lossy], 1)] == [lossy]

@@ -14,6 +14,8 @@ import pytest
 
 pytest.importorskip("nova", reason="Nova is not installed (tools/setup.sh installs it)")
 
+from nova import exception as nova_exception  # noqa: E402
+
 from nova_driver import monitor  # noqa: E402
 from tests.unit.engine_fakes import make_plan  # noqa: E402
 
@@ -45,7 +47,10 @@ class FakeGuest:
         self.calls: list[str] = []
 
     def get_job_info(self):
-        return self.infos.popleft()
+        info = self.infos.popleft()
+        if isinstance(info, Exception):
+            raise info
+        return info
 
     def abort_job(self) -> None:
         self.calls.append("abort")
@@ -74,9 +79,9 @@ def nova_helpers(monkeypatch):
     return seen
 
 
-def _run(plan, infos, clock=None, monkeypatch=None):
+def _run(plan, infos, clock=None, monkeypatch=None, host=None):
     migration = types.SimpleNamespace(status="running")
-    watch = monitor.PlanMonitor(LV, None, plan, migration, 15.0, 5.0, {})
+    watch = monitor.PlanMonitor(LV, host, plan, migration, 15.0, 5.0, {})
     guest, ended = FakeGuest(infos), []
     watch.run(
         None,
@@ -132,4 +137,42 @@ def test_a_stalled_precopy_is_aborted_and_reported_as_failed_not_cancelled(
     guest, ended, _ = _run(make_plan(), infos)
     assert guest.calls == ["abort"]
     # aborted for a stall: Nova's recovery reports the migration failed, not cancelled
+    assert ended == ["failed None"]
+
+
+class FakeHost:
+    """Nova's Host after the source libvirtd restarted: each lookup answers in turn."""
+
+    def __init__(self, answers: list) -> None:
+        self.answers = collections.deque(answers)
+        self.lookups = 0
+
+    def get_guest(self, instance):
+        self.lookups += 1
+        answer = self.answers.popleft()
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def test_a_dead_handle_after_a_libvirtd_restart_with_the_vm_gone_reads_completed(nova_helpers):
+    closed = LV.libvirtError("internal error: client socket is closed")
+    host = FakeHost(
+        [
+            nova_exception.HypervisorUnavailable(),  # the daemon is still starting
+            nova_exception.InstanceNotFound(instance_id="vm"),  # it migrated the VM away
+        ]
+    )
+    infos = [_info(LV.VIR_DOMAIN_JOB_UNBOUNDED, 1, 100), closed, closed]
+    _, ended, _ = _run(make_plan(), infos, host=host)
+    assert host.lookups == 2
+    assert ended == ["done"]  # not Nova's FAILED and rollback of the destination
+
+
+def test_a_dead_handle_with_the_vm_still_here_asks_the_fresh_handle(nova_helpers):
+    closed = LV.libvirtError("End of file while reading data: Input/output error")
+    fresh = FakeGuest([_info(LV.VIR_DOMAIN_JOB_FAILED, 1, 100)])
+    host = FakeHost([fresh])
+    _, ended, _ = _run(make_plan(), [_info(LV.VIR_DOMAIN_JOB_UNBOUNDED, 1, 100), closed], host=host)
+    assert not fresh.infos  # the fresh handle answered the job's end
     assert ended == ["failed None"]
