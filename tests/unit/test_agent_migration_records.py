@@ -9,6 +9,7 @@ import pytest
 
 from agents.agent import migration_records
 from agents.agent.migration_records import MigrationRecord, Reconciler, RecordStore
+from flexmig import exceptions
 from flexmig.migration import reconcile
 from flexmig.migration.reconcile import (
     ABSENT,
@@ -304,3 +305,30 @@ def test_a_converging_or_long_first_round_precopy_or_a_postcopy_is_never_aborted
         mig = record(saved_plan={**migration_records.NO_PLAN, "mode": "postcopy"})
         rec.follow(mig)
         assert mig.state == "completed"
+
+
+def test_the_service_keeps_in_memory_only_the_ended_records_the_files_keep(tmp_path, monkeypatch):
+    from agents.agent import migrations
+
+    conf = types.SimpleNamespace(
+        agent=types.SimpleNamespace(
+            state_dir=str(tmp_path), migration_records_kept=2, libvirt_uri="qemu:///system"
+        )
+    )
+    monkeypatch.setattr(migrations.movers, "rdma_provider_present", lambda: False)
+    service = migrations.MigrationService("A", conf, options=migrations.EngineOptions())
+
+    def refuse(request, dest):
+        raise exceptions.InvalidInput(what="VM", reason="no room")
+
+    monkeypatch.setattr(service, "plan", refuse)
+    running = record(mid="000000000000")
+    service.records[running.id] = running
+    ids = [f"{n:012d}" for n in range(1, 6)]
+    for mid in ids:
+        ended = record(mid=mid)
+        service.records[mid] = ended
+        service._run(ended, None)
+        assert ended.state == "failed" and "no room" in ended.error
+    assert sorted(service.records) == ["000000000000", *ids[-2:]]
+    assert sorted(p.stem for p in (tmp_path / "migrations").glob("*.json")) == sorted(ids[-2:])
