@@ -276,6 +276,7 @@ class MigrationService:
             self.conf.agent.libvirt_uri,
             self.store,
             peer,
+            timeout_s=float(self.conf.agent.reconcile_timeout),
             converge_timeout_s=self.options.converge_timeout_s,
         )
         unended = [r for r in self.records.values() if r.state in ACTIVE]

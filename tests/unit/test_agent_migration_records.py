@@ -239,7 +239,10 @@ def test_the_service_reloads_records_and_follows_the_unended(tmp_path, monkeypat
     store.save(record(mid="222222222222", state="running"))
     conf = types.SimpleNamespace(
         agent=types.SimpleNamespace(
-            state_dir=str(tmp_path), migration_records_kept=50, libvirt_uri="qemu:///system"
+            state_dir=str(tmp_path),
+            migration_records_kept=50,
+            libvirt_uri="qemu:///system",
+            reconcile_timeout=3600,
         )
     )
     monkeypatch.setattr(migrations.movers, "rdma_provider_present", lambda: False)
@@ -248,10 +251,13 @@ def test_the_service_reloads_records_and_follows_the_unended(tmp_path, monkeypat
     assert service.get("111111111111").state == "completed"
     started = []
     monkeypatch.setattr(
-        Reconciler, "start", lambda self, r: started.append((r.id, self.converge_timeout_s))
+        Reconciler,
+        "start",
+        lambda self, r: started.append((r.id, self.converge_timeout_s, self.timeout_s)),
     )
     assert [r.id for r in service.reconcile_unended(lambda a, p: None)] == ["222222222222"]
-    assert started == [("222222222222", 45.0)]  # the engine's [migration] converge_timeout
+    # the engine's [migration] converge_timeout, the agent's [agent] reconcile_timeout
+    assert started == [("222222222222", 45.0, 3600.0)]
 
 
 def test_a_precopy_nobody_drives_is_aborted_once_it_iterates_without_converging(tmp_path):
