@@ -77,8 +77,8 @@ FINDINGS = (
     "The job now asks where the VM is before it reports a failure "
     "(libvirt_job._landed_after_failure: up to 30 s while the source cannot say). "
     "Under Nova the same restart was worse: the guest's domain handle died with the old "
-    "daemon ('client socket is closed'), Nova read the job as failed and rolled back, "
-    "destroying the destination that ran the VM; the driver's monitor now looks the VM "
+    "daemon ('client socket is closed'), the error ended the driver's watch, and Nova put "
+    "the instance in ERROR on the source while the VM ran on B; the monitor now looks the VM "
     "up again on Nova's connection (nova_driver/monitor.py _looked_up_afresh; shown in "
     "the Nova harness, not by this campaign, which drives the agents).",
 )
