@@ -261,6 +261,7 @@ def render_table(results: dict[str, dict[str, Any]]) -> str:
         "",
         f"Cells run so far: {started} of {len(cells())}; at {TARGET_RUNS} runs: {done}.",
         "",
+        *_losses(results),
         *fault_runs.render(fault_runs.load()),
         "Notes (first errors and leftovers seen per cell):",
         "",
@@ -285,6 +286,22 @@ def render_table(results: dict[str, dict[str, Any]]) -> str:
             lines.append(f"- {cell.key}: {counts}")
     lines += ["", "Findings:", "", *[f"- {finding}" for finding in FINDINGS]]
     return "\n".join(lines) + "\n"
+
+
+def _losses(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Where the VMs lost so far were: the cells that lose by design, the rest."""
+    lost = {key: row.get("vm_lost", 0) for key, row in results.items() if row.get("vm_lost")}
+    by_design = sum(n for key, n in lost.items() if key in LOSS_BY_DESIGN)
+    others = ", ".join(f"{key} {n}" for key, n in sorted(lost.items()) if key not in LOSS_BY_DESIGN)
+    runs = sum(row.get("runs", 0) for row in results.values())
+    return [
+        f"Runs: {runs}; VMs lost: {sum(lost.values())}, of which {by_design} in the cells that "
+        "lose the VM by postcopy's design (a destination QEMU killed after the switch; run "
+        f"only when named) and {sum(lost.values()) - by_design} elsewhere"
+        + (f" ({others}; the findings below say what each was and what changed)" if others else "")
+        + ".",
+        "",
+    ]
 
 
 def _table_row(cell: Cell, row: dict[str, Any]) -> str:
