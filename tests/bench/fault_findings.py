@@ -81,4 +81,9 @@ FINDINGS = (
     "the instance in ERROR on the source while the VM ran on B; the monitor now looks the VM "
     "up again on Nova's connection (nova_driver/monitor.py _looked_up_afresh; shown in "
     "the Nova harness, not by this campaign, which drives the agents).",
+    "The harness's kill-dst-qemu killed every QEMU on the destination host, so a "
+    "precopy/mover/kill-dst-qemu/round run (session 18) also killed the postcopy guest "
+    "parked there ('shutting down, reason=crashed'), and the next postcopy run found it "
+    "running nowhere and stopped the campaign; no run was counted for it. The fault now "
+    "kills only the migrating VM's QEMU (fault_campaign.qemu_pattern).",
 )
