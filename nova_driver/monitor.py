@@ -332,9 +332,9 @@ class PlanMonitor:
 
         A source libvirtd restarted at the switchover: the guest's handle died
         with the old daemon ('client socket is closed') while QEMU completed
-        the move (fault campaign, restart-src-libvirtd/switchover).  Nova's
-        find_job_type on that handle reads FAILED, and its rollback destroys
-        the destination that runs the VM.  The VM is looked up again on Nova's
+        the move (fault campaign, restart-src-libvirtd/switchover).  Raised,
+        that error ended the watch, and Nova put the instance in ERROR on the
+        source while the VM ran on the destination.  The VM is looked up again on Nova's
         connection, which Nova reopens: gone from this host, the job reads
         COMPLETED (and the landing check asks the destination); found, the
         next poll asks the fresh handle; libvirt still away, the next poll

@@ -151,6 +151,16 @@ agent_opts = [
         "the agent's own migration records as migrations/<id>.json.",
     ),
     cfg.IntOpt(
+        "reconcile_timeout",
+        default=900,
+        min=60,
+        max=7 * 24 * 3600,
+        help="Seconds a restarted agent follows a migration its predecessor left "
+        "running (libvirt's job goes on without it) before it records the outcome "
+        "as unsettled. Raise it where one migration can take longer (large VMs over "
+        "slow links).",
+    ),
+    cfg.IntOpt(
         "migration_records_kept",
         default=50,
         min=1,

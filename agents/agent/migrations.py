@@ -276,6 +276,7 @@ class MigrationService:
             self.conf.agent.libvirt_uri,
             self.store,
             peer,
+            timeout_s=float(self.conf.agent.reconcile_timeout),
             converge_timeout_s=self.options.converge_timeout_s,
         )
         unended = [r for r in self.records.values() if r.state in ACTIVE]
@@ -327,6 +328,18 @@ class MigrationService:
         finally:
             record.ended = time.time() if record.state not in ACTIVE else None
             self.store.save(record)
+            self._forget_old_records()
+
+    def _forget_old_records(self) -> None:
+        """Keep in memory the ended records the files keep (the newest
+        migration_records_kept): an agent that runs for months must not hold
+        every migration it ever made."""
+        keep = self.conf.agent.migration_records_kept
+        with self.lock:
+            ended = sorted((r for r in self.records.values() if r.ended is not None),
+                           key=lambda r: r.ended or 0.0)  # fmt: skip
+            for record in ended[: max(0, len(ended) - keep)]:
+                del self.records[record.id]
 
     def _execute(self, record: MigrationRecord, plan: Plan, dest: Destination) -> None:
         writeback = self._prepare_destination(record, plan, dest)

@@ -261,6 +261,7 @@ def render_table(results: dict[str, dict[str, Any]]) -> str:
         "",
         f"Cells run so far: {started} of {len(cells())}; at {TARGET_RUNS} runs: {done}.",
         "",
+        *_losses(results),
         *fault_runs.render(fault_runs.load()),
         "Notes (first errors and leftovers seen per cell):",
         "",
@@ -285,6 +286,22 @@ def render_table(results: dict[str, dict[str, Any]]) -> str:
             lines.append(f"- {cell.key}: {counts}")
     lines += ["", "Findings:", "", *[f"- {finding}" for finding in FINDINGS]]
     return "\n".join(lines) + "\n"
+
+
+def _losses(results: dict[str, dict[str, Any]]) -> list[str]:
+    """Where the VMs lost so far were: the cells that lose by design, the rest."""
+    lost = {key: row.get("vm_lost", 0) for key, row in results.items() if row.get("vm_lost")}
+    by_design = sum(n for key, n in lost.items() if key in LOSS_BY_DESIGN)
+    others = ", ".join(f"{key} {n}" for key, n in sorted(lost.items()) if key not in LOSS_BY_DESIGN)
+    runs = sum(row.get("runs", 0) for row in results.values())
+    return [
+        f"Runs: {runs}; VMs lost: {sum(lost.values())}, of which {by_design} in the cells that "
+        "lose the VM by postcopy's design (a destination QEMU killed after the switch; run "
+        f"only when named) and {sum(lost.values()) - by_design} elsewhere"
+        + (f" ({others}; the findings below say what each was and what changed)" if others else "")
+        + ".",
+        "",
+    ]
 
 
 def _table_row(cell: Cell, row: dict[str, Any]) -> str:
@@ -343,7 +360,7 @@ class Campaign:
         # nothing of the cell; the run still checks the VM and its leftovers.
         why_not = not_applicable(cell, at_point.get("transport"))
         injected = at_point.get("state") in ("planning", "running") and not why_not
-        repair = self.inject(cell.fault, src, dst) if injected else None
+        repair = self.inject(cell.fault, src, dst, name) if injected else None
         record = self.follow(src, mid)
         if repair is not None:
             repair()
@@ -370,7 +387,7 @@ class Campaign:
             time.sleep(random.uniform(0.2, 2.0))  # somewhere inside a round
         return record
 
-    def inject(self, fault: str, src: str, dst: str) -> Any:
+    def inject(self, fault: str, src: str, dst: str, name: str) -> Any:
         """Inject ``fault``; a fault that lasts until the migration ends returns
         its repair (what the operator does afterwards), the others None."""
         host = {"src": self.lab.host(src), "dst": self.lab.host(dst)}
@@ -391,7 +408,9 @@ class Campaign:
         elif fault.endswith("-libvirtd"):
             restart_libvirtd(host[side])
         elif fault == "kill-dst-qemu":
-            host["dst"].ns.run(["pkill", "-KILL", "-f", "qemu-system"], check=False)
+            # Only the migrating VM's QEMU: the other guest may be parked on
+            # that host (killing it lost a bystander VM, session 18).
+            host["dst"].ns.run(["pkill", "-KILL", "-f", qemu_pattern(name)], check=False)
         else:
             raise ValueError(fault)
         return None
@@ -556,6 +575,17 @@ def lab_libvirt(lab: Lab) -> str:
     with hypervisor.connect(host.local_uri, host.name) as conn:
         number = conn.getLibVersion()
     return f"{number // 1_000_000}.{number // 1000 % 1000}.{number % 1000}"
+
+
+def qemu_pattern(name: str) -> str:
+    """pkill's pattern for the QEMU of VM ``name`` (libvirt's ``-name guest=<name>,``).
+
+    >>> import re
+    >>> line = "qemu-system-x86_64 -name guest=fcfile,debug-threads=on -S"
+    >>> bool(re.search(qemu_pattern("fcfile"), line)), bool(re.search(qemu_pattern("fcanon"), line))
+    (True, False)
+    """
+    return f"qemu-system.* -name guest={name},"
 
 
 class CampaignStop(Exception):

@@ -75,5 +75,15 @@ FINDINGS = (
     "each): libvirt's call ended ('End of file while reading data') while QEMU "
     "completed the migration, and the job reported failed with the VM running on B. "
     "The job now asks where the VM is before it reports a failure "
-    "(libvirt_job._landed_after_failure: up to 30 s while the source cannot say).",
+    "(libvirt_job._landed_after_failure: up to 30 s while the source cannot say). "
+    "Under Nova the same restart was worse: the guest's domain handle died with the old "
+    "daemon ('client socket is closed'), the error ended the driver's watch, and Nova put "
+    "the instance in ERROR on the source while the VM ran on B; the monitor now looks the VM "
+    "up again on Nova's connection (nova_driver/monitor.py _looked_up_afresh; shown in "
+    "the Nova harness, not by this campaign, which drives the agents).",
+    "The harness's kill-dst-qemu killed every QEMU on the destination host, so a "
+    "precopy/mover/kill-dst-qemu/round run (session 18) also killed the postcopy guest "
+    "parked there ('shutting down, reason=crashed'), and the next postcopy run found it "
+    "running nowhere and stopped the campaign; no run was counted for it. The fault now "
+    "kills only the migrating VM's QEMU (fault_campaign.qemu_pattern).",
 )

@@ -369,9 +369,10 @@ class TestLanding(FlexMigNovaTestBase):
     def test_a_move_completed_across_a_source_libvirtd_restart_is_recorded_moved(self) -> None:
         """The source libvirtd restarts as QEMU completes: the migration call
         ends with 'End of file', the guest's handle answers 'client socket is
-        closed'.  Nova's reading of that handle is FAILED, and its rollback
-        would destroy the destination that runs the VM (fault campaign,
-        restart-src-libvirtd/switchover); the monitor looks the VM up again."""
+        closed'.  Raised, that error ended the watch and Nova put the instance
+        in ERROR on the source, the VM running on the destination (fault
+        campaign, restart-src-libvirtd/switchover); the monitor looks the VM
+        up again."""
         server = self._boot(harness.IDLE)
         name = self._domain_name(server)
         self.guests.restart_source_libvirtd.add(name)

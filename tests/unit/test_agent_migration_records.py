@@ -9,6 +9,7 @@ import pytest
 
 from agents.agent import migration_records
 from agents.agent.migration_records import MigrationRecord, Reconciler, RecordStore
+from flexmig import exceptions
 from flexmig.migration import reconcile
 from flexmig.migration.reconcile import (
     ABSENT,
@@ -238,7 +239,10 @@ def test_the_service_reloads_records_and_follows_the_unended(tmp_path, monkeypat
     store.save(record(mid="222222222222", state="running"))
     conf = types.SimpleNamespace(
         agent=types.SimpleNamespace(
-            state_dir=str(tmp_path), migration_records_kept=50, libvirt_uri="qemu:///system"
+            state_dir=str(tmp_path),
+            migration_records_kept=50,
+            libvirt_uri="qemu:///system",
+            reconcile_timeout=3600,
         )
     )
     monkeypatch.setattr(migrations.movers, "rdma_provider_present", lambda: False)
@@ -247,10 +251,13 @@ def test_the_service_reloads_records_and_follows_the_unended(tmp_path, monkeypat
     assert service.get("111111111111").state == "completed"
     started = []
     monkeypatch.setattr(
-        Reconciler, "start", lambda self, r: started.append((r.id, self.converge_timeout_s))
+        Reconciler,
+        "start",
+        lambda self, r: started.append((r.id, self.converge_timeout_s, self.timeout_s)),
     )
     assert [r.id for r in service.reconcile_unended(lambda a, p: None)] == ["222222222222"]
-    assert started == [("222222222222", 45.0)]  # the engine's [migration] converge_timeout
+    # the engine's [migration] converge_timeout, the agent's [agent] reconcile_timeout
+    assert started == [("222222222222", 45.0, 3600.0)]
 
 
 def test_a_precopy_nobody_drives_is_aborted_once_it_iterates_without_converging(tmp_path):
@@ -304,3 +311,30 @@ def test_a_converging_or_long_first_round_precopy_or_a_postcopy_is_never_aborted
         mig = record(saved_plan={**migration_records.NO_PLAN, "mode": "postcopy"})
         rec.follow(mig)
         assert mig.state == "completed"
+
+
+def test_the_service_keeps_in_memory_only_the_ended_records_the_files_keep(tmp_path, monkeypatch):
+    from agents.agent import migrations
+
+    conf = types.SimpleNamespace(
+        agent=types.SimpleNamespace(
+            state_dir=str(tmp_path), migration_records_kept=2, libvirt_uri="qemu:///system"
+        )
+    )
+    monkeypatch.setattr(migrations.movers, "rdma_provider_present", lambda: False)
+    service = migrations.MigrationService("A", conf, options=migrations.EngineOptions())
+
+    def refuse(request, dest):
+        raise exceptions.InvalidInput(what="VM", reason="no room")
+
+    monkeypatch.setattr(service, "plan", refuse)
+    running = record(mid="000000000000")
+    service.records[running.id] = running
+    ids = [f"{n:012d}" for n in range(1, 6)]
+    for mid in ids:
+        ended = record(mid=mid)
+        service.records[mid] = ended
+        service._run(ended, None)
+        assert ended.state == "failed" and "no room" in ended.error
+    assert sorted(service.records) == ["000000000000", *ids[-2:]]
+    assert sorted(p.stem for p in (tmp_path / "migrations").glob("*.json")) == sorted(ids[-2:])

@@ -196,3 +196,14 @@ def test_cells_that_lose_the_vm_by_design_run_only_when_named_in_full():
     assert lossy not in {c.key for c in fc.choose({}, ["*"], 1)}
     assert lossy not in {c.key for c in fc.choose({}, ["postcopy/*"], 1)}
     assert [c.key for c in fc.choose({}, [lossy], 1)] == [lossy]
+
+
+def test_the_losses_line_tells_the_by_design_cells_from_the_rest():
+    results = {
+        "postcopy/mover/kill-dst-qemu/postcopy-switch": {"runs": 1, "vm_lost": 1},
+        "postcopy/qemu-tcp/cut-30s/switchover": {"runs": 5, "vm_lost": 2},
+        "precopy/mover/cut-2s/round": {"runs": 3, "vm_lost": 0},
+    }
+    line = fc._losses(results)[0]
+    assert line.startswith("Runs: 9; VMs lost: 3, of which 1 in the cells")
+    assert "and 2 elsewhere (postcopy/qemu-tcp/cut-30s/switchover 2;" in line
