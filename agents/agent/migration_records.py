@@ -169,6 +169,16 @@ def from_json(data: dict[str, Any]) -> MigrationRecord:
     )
 
 
+def beyond_kept(ended: dict[str, float], keep: int) -> list[str]:
+    """The ended migrations past the newest ``keep`` (id -> when it ended), oldest first.
+
+    >>> beyond_kept({"a": 3.0, "b": 1.0, "c": 2.0}, 1)
+    ['b', 'c']
+    """
+    oldest_first = sorted(ended, key=ended.__getitem__)
+    return oldest_first[: max(0, len(oldest_first) - keep)]
+
+
 class RecordStore:
     """One JSON file per record, replaced whole (a temporary file renamed over
     it, as ``links.json``), so a killed agent leaves the last complete one."""
@@ -201,8 +211,7 @@ class RecordStore:
 
     def _prune(self) -> None:
         """Delete ended records beyond the newest ``keep_ended`` (caller holds the lock)."""
-        oldest_first = sorted(self._ended, key=self._ended.__getitem__)
-        for migration_id in oldest_first[: max(0, len(oldest_first) - self.keep_ended)]:
+        for migration_id in beyond_kept(self._ended, self.keep_ended):
             del self._ended[migration_id]
             self.path(migration_id).unlink(missing_ok=True)
 

@@ -29,6 +29,7 @@ from agents.agent.migration_records import (
     MigrationRecord,
     Reconciler,
     RecordStore,
+    beyond_kept,
     end_writeback,
     release_split,
 )
@@ -334,12 +335,10 @@ class MigrationService:
         """Keep in memory the ended records the files keep (the newest
         migration_records_kept): an agent that runs for months must not hold
         every migration it ever made."""
-        keep = self.conf.agent.migration_records_kept
         with self.lock:
-            ended = sorted((r for r in self.records.values() if r.ended is not None),
-                           key=lambda r: r.ended or 0.0)  # fmt: skip
-            for record in ended[: max(0, len(ended) - keep)]:
-                del self.records[record.id]
+            ended = {r.id: r.ended for r in self.records.values() if r.ended is not None}
+            for migration_id in beyond_kept(ended, self.conf.agent.migration_records_kept):
+                del self.records[migration_id]
 
     def _execute(self, record: MigrationRecord, plan: Plan, dest: Destination) -> None:
         writeback = self._prepare_destination(record, plan, dest)
