@@ -1,9 +1,11 @@
 """Split migration vs enough RAM vs conventional swap, side by side in one run.
 
-    .venv/bin/python -m tests.bench.bench_split [--repeat N] [--out FILE]
+    .venv/bin/python -m tests.bench.bench_split [--repeat N] [--out FILE] [--workload W]
 
-One 512 MiB file-backed TCG guest dirtying a 200 MiB working set, migrated
-A->B over the same path with the stream capped at BANDWIDTH_MIB, to:
+One 512 MiB file-backed TCG guest dirtying a 200 MiB working set (or the
+workload given: `dirtier:wss=400M,hot=64M,rate=2000` is seed 003's VM, its
+memory all in use and a small part of it hot), migrated A->B over the same
+path with the stream capped at BANDWIDTH_MIB, to:
 
 - enough: B offers 4 GiB (FlexMig picks precopy);
 - split-75/50/35: B offers the VM's RAM x 75/50/35 % plus QEMU's own, so
@@ -32,7 +34,7 @@ import time
 from pathlib import Path
 
 from flexmig import exceptions, migrate_cli
-from flexmig_lab import image, vm
+from flexmig_lab import image, vm, vmspec
 from flexmig_lab.lab import Lab
 from tests.bench.bench_modes import _lab_qemu_version, _measure
 
@@ -132,11 +134,11 @@ def run_swap(lab: Lab, name: str, swap_file: Path) -> dict:
         subprocess.run(["swapoff", str(swap_file)], check=True)
 
 
-def one_run(lab: Lab, case: str, swap_file: Path) -> dict:
+def one_run(lab: Lab, case: str, swap_file: Path, workload: str) -> dict:
     name = f"bs-{case}"
     lab.set_budget("B", 4096)
     backing = "anonymous" if case.startswith("swap") else "file"
-    vm.create(lab, "A", name=name, ram=f"{RAM_MIB}M", workload=WORKLOAD, memory_backing=backing)
+    vm.create(lab, "A", name=name, ram=f"{RAM_MIB}M", workload=workload, memory_backing=backing)
     try:
         _wait_ready(vm.LabVM(lab, name))
         lab.set_budget("B", offer_mb(case) if not case.startswith("swap") else 4096)
@@ -185,7 +187,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--cases", default=",".join(CASES), help=f"subset of {', '.join(CASES)}")
+    parser.add_argument("--workload", default=WORKLOAD, help="the guest's (lab VM syntax)")
     args = parser.parse_args()
+    vmspec.make_spec("bs-enough", f"{RAM_MIB}M", 1, args.workload, "file", 0)  # checks it
     cases = args.cases.split(",")
     if "enough" not in cases or not set(cases) <= set(CASES):
         raise SystemExit(f"--cases: a subset of {', '.join(CASES)} including 'enough'")
@@ -205,7 +209,7 @@ def main() -> None:
     try:
         for _ in range(args.repeat):  # cases interleaved: a noisy spell hits all of them
             for case in cases:
-                runs[case].append(one_run(lab, case, swap_file))
+                runs[case].append(one_run(lab, case, swap_file, args.workload))
                 print(case, runs[case][-1], flush=True)
     finally:
         lab.down()
@@ -221,20 +225,21 @@ def write(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
         + (f" --repeat {args.repeat}" if args.repeat != 1 else "")
         + (f" --cases {args.cases}" if args.cases != ",".join(CASES) else "")
         + (f" --out {args.out}" if args.out != DEFAULT_OUT else "")
+        + (f" --workload {args.workload}" if args.workload != WORKLOAD else "")
     )
     header = [
         f"# Split vs enough RAM vs conventional swap ({datetime.date.today()})",
         "",
         f"Command: `{command}`",
         "",
-        f"Lab: 2 hosts, {RAM_MIB} MiB TCG guest `{WORKLOAD}`, file-backed (swap: anonymous), "
+        f"Lab: 2 hosts, {RAM_MIB} MiB TCG guest `{args.workload}`, file-backed (swap: anonymous), "
         f"stream capped at {BANDWIDTH_MIB} MiB/s; split-N: B offers N % of the VM's RAM as its "
         "resident budget; swap-50: the split-50 cap on an anonymous guest with a host swap file. "
         f"Medians of {args.repeat} run(s). Downtime is guest-observed. bad = bad + lost pages "
         "(max). max charge = largest charge of B's cgroup (keeper's samples for split, the "
         "kernel's peak for swap). cap hits = times a charge met B's cap and had to reclaim "
         f"(memory.failcnt, max). after = dirtier pages/s in the {AFTER_S:.0f} s after the move "
-        "(the workload asks for 2000/s).",
+        f"(the workload asks for {vmspec.parse_workload(args.workload).rate}/s).",
         "",
         f"QEMU {_lab_qemu_version()}; started {args.started} UTC; load average at the start "
         f"{args.load_at_start:.1f}, at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} "

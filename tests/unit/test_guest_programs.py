@@ -99,3 +99,44 @@ def test_verify_without_a_workset_says_so(programs, tmp_path):
     )
     assert proc.returncode == 2
     assert "no-workset" in proc.stdout
+
+
+def _page_versions(meta_path):
+    """struct fm_meta: six u32, a u64 count, then one u32 version per page."""
+    raw = meta_path.read_bytes()
+    npages = int.from_bytes(raw[4:8], "little")
+    return [int.from_bytes(raw[32 + 4 * i : 36 + 4 * i], "little") for i in range(npages)]
+
+
+def test_a_hot_set_is_rewritten_and_the_rest_left_cold(programs, tmp_path):
+    env = dict(os.environ, FM_WORKSET_DIR=str(tmp_path))
+    dirtier = subprocess.Popen(
+        [programs / "dirtier", "4", "20000", "random", "1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert "256 hot" in dirtier.stdout.readline()
+        time.sleep(0.5)
+        rc, fields = _verify(programs, env)
+        versions = _page_versions(tmp_path / "fm-workset.meta")
+    finally:
+        dirtier.kill()
+        dirtier.wait()
+    assert rc == 0 and fields["pages"] == "1024"
+    assert max(versions[:256]) > 1  # the first MiB is being rewritten
+    assert set(versions[256:]) == {1}  # the other 3 MiB were written once
+
+
+def test_a_hot_set_larger_than_the_working_set_is_refused(programs, tmp_path):
+    env = dict(os.environ, FM_WORKSET_DIR=str(tmp_path))
+    proc = subprocess.run(
+        [programs / "dirtier", "4", "100", "random", "5"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=10,
+        check=False,
+    )
+    assert proc.returncode == 2 and "bad working set" in proc.stderr

@@ -26,6 +26,16 @@ def test_workload_parsing():
     assert vmspec.parse_workload("idle").kind == "idle"
 
 
+def test_a_hot_set_is_part_of_the_working_set():
+    wl = vmspec.parse_workload("dirtier:wss=400M,rate=2000,hot=64M")
+    assert (wl.wss_mib, wl.hot_mib) == (400, 64)
+    assert wl.cmdline().endswith(",hot=64M")
+    assert vmspec.parse_workload(wl.cmdline()) == wl
+    # A hot set as large as the working set is the plain dirtier.
+    whole = vmspec.parse_workload("dirtier:wss=64M,hot=64M")
+    assert whole.hot_mib == 0 and "hot=" not in whole.cmdline()
+
+
 @pytest.mark.parametrize(
     "text",
     [
@@ -36,10 +46,13 @@ def test_workload_parsing():
         "dirtier:pattern=zigzag",
         "dirtier:wss=0M",
         "dirtier:wss",
+        "dirtier:wss=64M,hot=65M",
+        "dirtier:wss=64M,hot=0M",
+        "dirtier:hot=lots",
     ],
 )
 def test_bad_workloads_are_rejected(text):
-    with pytest.raises(exceptions.InvalidInput, match="workload|working set"):
+    with pytest.raises(exceptions.InvalidInput, match="workload|working set|hot set"):
         vmspec.parse_workload(text)
 
 

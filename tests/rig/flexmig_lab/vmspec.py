@@ -33,11 +33,16 @@ class Workload:
     wss_mib: int = 0
     rate: int = 0  # pages/s
     pattern: str = "random"
+    # The first hot_mib of the working set are rewritten; the rest is written
+    # once and left cold (seed 003's VM: all memory in use, a small hot set).
+    # 0: the whole working set is hot.
+    hot_mib: int = 0
 
     def cmdline(self) -> str:
         if self.kind == "idle":
             return "idle"
-        return f"dirtier:wss={self.wss_mib}M,rate={self.rate},pattern={self.pattern}"
+        text = f"dirtier:wss={self.wss_mib}M,rate={self.rate},pattern={self.pattern}"
+        return f"{text},hot={self.hot_mib}M" if self.hot_mib else text
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +91,7 @@ def parse_size_mib(text: str, what: str) -> int:
 
 
 def parse_workload(text: str) -> Workload:
-    """'idle' or 'dirtier:wss=128M,rate=20000[,pattern=random|seq]'."""
+    """'idle' or 'dirtier:wss=128M,rate=20000[,pattern=random|seq][,hot=32M]'."""
     if text in ("", "idle"):
         return Workload(kind="idle")
     kind, _, opts = text.partition(":")
@@ -94,12 +99,12 @@ def parse_workload(text: str) -> Workload:
         raise exceptions.InvalidInput(
             what="workload", reason=f"unknown kind {kind!r} (expected idle or dirtier:...)"
         )
-    values = {"wss": "64M", "rate": "1000", "pattern": "random"}
+    values = {"wss": "64M", "rate": "1000", "pattern": "random", "hot": ""}
     for item in filter(None, opts.split(",")):
         key, sep, value = item.partition("=")
         if not sep or key not in values:
             raise exceptions.InvalidInput(
-                what="workload", reason=f"{item!r}: expected wss=, rate= or pattern="
+                what="workload", reason=f"{item!r}: expected wss=, rate=, pattern= or hot="
             )
         values[key] = value
     if not values["rate"].isdigit() or not 0 <= int(values["rate"]) <= MAX_RATE:
@@ -113,8 +118,17 @@ def parse_workload(text: str) -> Workload:
     wss = parse_size_mib(values["wss"], "working set size")
     if wss < 1:
         raise exceptions.InvalidInput(what="workload", reason="working set must be >= 1M")
+    hot = parse_size_mib(values["hot"], "hot set size") if values["hot"] else 0
+    if values["hot"] and not 1 <= hot <= wss:
+        raise exceptions.InvalidInput(
+            what="workload", reason=f"hot set {hot}M not in 1M..the working set ({wss}M)"
+        )
     return Workload(
-        kind="dirtier", wss_mib=wss, rate=int(values["rate"]), pattern=values["pattern"]
+        kind="dirtier",
+        wss_mib=wss,
+        rate=int(values["rate"]),
+        pattern=values["pattern"],
+        hot_mib=0 if hot == wss else hot,
     )
 
 

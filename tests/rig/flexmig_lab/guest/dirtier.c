@@ -2,7 +2,9 @@
 /*
  * dirtier: rewrite a working set of W MiB at R pages/s, random or sequential.
  *
- * Usage: dirtier WSS_MIB RATE_PAGES_PER_S random|seq
+ * Usage: dirtier WSS_MIB RATE_PAGES_PER_S random|seq [HOT_MIB]
+ * With HOT_MIB, all W MiB are written once and only the first HOT_MIB are
+ * rewritten: a VM whose memory is all in use but mostly cold (seed 003).
  * The rate is paced in 10 ms ticks; a guest too slow to keep up simply runs
  * flat out, and verify reports how many pages were really written.
  */
@@ -79,19 +81,21 @@ int main(int argc, char **argv)
 	struct fm_meta *meta;
 	struct timespec next;
 	uint64_t *ws;
-	uint32_t npages, cursor = 0, i;
+	uint32_t npages, nhot, cursor = 0, i;
 	long rate;
 	double owed = 0;
 	int random_order;
 
-	if (argc != 4) {
-		fprintf(stderr, "usage: dirtier WSS_MIB RATE random|seq\n");
+	if (argc != 4 && argc != 5) {
+		fprintf(stderr, "usage: dirtier WSS_MIB RATE random|seq [HOT_MIB]\n");
 		return 2;
 	}
 	npages = (uint32_t)(strtoul(argv[1], NULL, 10) * (1024 * 1024 / FM_PAGE_SIZE));
 	rate = strtol(argv[2], NULL, 10);
 	random_order = strcmp(argv[3], "seq") != 0;
-	if (npages == 0 || rate < 0) {
+	nhot = argc == 5 ? (uint32_t)(strtoul(argv[4], NULL, 10) * (1024 * 1024 / FM_PAGE_SIZE))
+			 : npages;
+	if (npages == 0 || rate < 0 || nhot == 0 || nhot > npages) {
 		fprintf(stderr, "dirtier: bad working set or rate\n");
 		return 2;
 	}
@@ -108,7 +112,8 @@ int main(int argc, char **argv)
 		write_page(meta, ws, i);
 	meta->magic = FM_META_MAGIC;
 	__atomic_store_n(&meta->ready, 1, __ATOMIC_RELEASE);
-	printf("dirtier: %u pages ready, rate %ld pages/s, %s\n", npages, rate, argv[3]);
+	printf("dirtier: %u pages ready, %u hot, rate %ld pages/s, %s\n", npages, nhot, rate,
+	       argv[3]);
 	fflush(stdout);
 
 	clock_gettime(CLOCK_MONOTONIC, &next);
@@ -116,7 +121,7 @@ int main(int argc, char **argv)
 		honour_pause(meta);
 		owed += (double)rate * TICK_NS / 1e9;
 		for (; owed >= 1; owed--) {
-			uint32_t index = random_order ? next_random(npages) : cursor++ % npages;
+			uint32_t index = random_order ? next_random(nhot) : cursor++ % nhot;
 
 			write_page(meta, ws, index);
 		}
