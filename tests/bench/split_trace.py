@@ -1,7 +1,7 @@
 """What a split migration's destination does during its final round, sampled every 10 ms.
 
     FLEXMIG_LAB_QEMU=trixie FLEXMIG_LAB_STORE=own-fs \\
-        .venv/bin/python -m tests.bench.split_trace [--budgets 75,50,35]
+        .venv/bin/python -m tests.bench.split_trace [--budgets 75,50,35] [--workload W]
 
 One 512 MiB file-backed guest (as ``bench_split``) migrated A->B by split.
 While it moves, a sampler in this process reads B's memory cgroup (charge,
@@ -185,10 +185,10 @@ def report(sampler: Sampler, src: dict[str, float], dst: dict[str, float]) -> No
             )
 
 
-def one(lab: Lab, budget_pct: int, index: int) -> None:
+def one(lab: Lab, budget_pct: int, index: int, workload: str) -> None:
     name = f"st{index}"
     lab.set_budget("B", 4096)
-    vm.create(lab, "A", name=name, ram=f"{RAM_MIB}M", workload=WORKLOAD, memory_backing="file")
+    vm.create(lab, "A", name=name, ram=f"{RAM_MIB}M", workload=workload, memory_backing="file")
     sampler = Sampler(lab, name)
     try:
         _wait_ready(vm.LabVM(lab, name))
@@ -227,6 +227,7 @@ def main() -> int:
     parser.add_argument(
         "--budgets", default="50", help="comma list of 35, 50, 75, 100 (% of RAM; 100: enough RAM)"
     )
+    parser.add_argument("--workload", default=WORKLOAD, help="the guest's (lab VM syntax)")
     args = parser.parse_args()
     os.environ["FLEXMIG_LAB_QEMU_TRACE"] = "vmstate_downtime_checkpoint,handle_qmp_command"
     image.build()
@@ -234,7 +235,7 @@ def main() -> int:
     lab.up(2)
     try:
         for i, pct in enumerate(int(b) for b in args.budgets.split(",")):
-            one(lab, pct, i)
+            one(lab, pct, i, args.workload)
     finally:
         lab.down()
     return 0
