@@ -26,9 +26,10 @@ each page lives.  Every INTERVAL_S it
    written-once ones, the rewritten set last: ``drop_order``), waits for
    their writeback and drops them with ``process_madvise(MADV_PAGEOUT)``
    (and the readahead QEMU does not map with ``POSIX_FADV_DONTNEED``) down
-   to a low mark half the headroom below the target, so the next interval's
-   stream lands in free room: clean file pages are simply unmapped and
-   freed, no I/O inside QEMU's faults;
+   to a low mark half the headroom below the target, or lower by what the
+   charge grew between looks lately, so the next interval's stream lands in
+   free room: clean file pages are simply unmapped and freed, no I/O inside
+   QEMU's faults;
 5. once libvirt says the guest runs here, drops nothing more: the guest's
    reads now say what is hot, and only the kernel sees them (accessed bits),
    so the cap's reclaim picks by its LRU among pages step 3 keeps clean.
@@ -128,9 +129,17 @@ def low_mark(limit_bytes: int, headroom_bytes: int) -> int:
     return max(limit_bytes // 2, target - headroom_bytes // 2)
 
 
-def drop_pages(charge_bytes: int, target: int, low: int, guest_runs_here: bool = False) -> int:
-    """Pages to drop now: none up to the target; above it, down to the low mark;
-    none once the guest runs here.
+def drop_pages(
+    charge_bytes: int,
+    target: int,
+    low: int,
+    guest_runs_here: bool = False,
+    growth_bytes: int = 0,
+    floor: int = 0,
+) -> int:
+    """Pages to drop now: none while the next interval's growth stays under the
+    target; else down to the low mark, or lower by that growth (never below
+    ``floor``); none once the guest runs here.
 
     Once the guest runs, its reads are evidence the keeper cannot see and the
     kernel's LRU can (the pages' accessed bits); the keeper only keeps the
@@ -144,16 +153,44 @@ def drop_pages(charge_bytes: int, target: int, low: int, guest_runs_here: bool =
     the lab's trace (tests/bench/split_trace.py) found the cap hit hundreds of
     times per split migration (memory.failcnt), i.e. reclaim made the room.
 
+    ``growth_bytes`` is what the charge grew between two looks lately
+    (``charge_growth``): more than the stream, as each fault QEMU takes on
+    the store reads 4 MiB ahead.  Half the headroom below the target was not
+    room enough for it: at split-75 the charge rose 20-30 MiB a look, from
+    the low mark to the cap, and a cap hit just before the source stopped
+    put the switchover in ``reclaim_throttle`` (split_trace, hot-set guest).
+
     >>> drop_pages(230 << 20, 220 << 20, 200 << 20) * PAGE >> 20
     30
     >>> drop_pages(220 << 20, 220 << 20, 200 << 20)
     0
     >>> drop_pages(230 << 20, 220 << 20, 200 << 20, guest_runs_here=True)
     0
+
+    Growing 30 MiB a look, a charge 10 MiB under the target is dropped now,
+    down to 30 MiB under the target, but not below the floor:
+
+    >>> drop_pages(210 << 20, 220 << 20, 200 << 20, growth_bytes=30 << 20) * PAGE >> 20
+    20
+    >>> drop_pages(210 << 20, 220 << 20, 200 << 20, growth_bytes=30 << 20, floor=195 << 20)
+    3840
     """
-    if guest_runs_here or charge_bytes <= target:
+    if guest_runs_here or charge_bytes + growth_bytes <= target:
         return 0
-    return (charge_bytes - low) // PAGE
+    down_to = max(floor, min(low, target - growth_bytes))
+    return max(0, charge_bytes - down_to) // PAGE
+
+
+def charge_growth(recent_bytes: Sequence[int]) -> int:
+    """The growth to make room for: the largest of the last looks' (a burst
+    repeats; an average would leave every other look at the cap).
+
+    >>> charge_growth([3 << 20, 28 << 20, -40 << 20]) >> 20
+    28
+    >>> charge_growth([])
+    0
+    """
+    return max(0, *recent_bytes) if recent_bytes else 0
 
 
 NEVER_WRITTEN, WRITTEN_ONCE, REWRITTEN = 0, 1, 2

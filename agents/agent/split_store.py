@@ -20,6 +20,7 @@ Sequence for an incoming split VM:
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import dataclasses
 import json
@@ -214,6 +215,9 @@ class ChunkFlusher(threading.Thread):
 
 
 KEEPER_INTERVAL_S = 0.1
+# Looks whose charge growth the keeper makes room for (0.8 s at 0.1 s a look,
+# as long as the ages remember a reference).
+GROWTH_LOOKS = 8
 KEEPER_FIND_TIMEOUT_S = 120.0  # how long an incoming QEMU may take to appear
 LIBVIRT_PID_DIR = Path("/run/libvirt/qemu")
 
@@ -242,12 +246,14 @@ def runs_here(status_xml: str) -> bool:
 class _Marks:
     target: int  # drop once the charge is above this (the cap less the headroom)
     low: int  # ... down to this, so the next interval's stream lands in free room
+    floor: int = 0  # ... and never below this, however fast the charge grows
 
     @classmethod
     def of(cls, budget_bytes: int, headroom_bytes: int) -> _Marks:
         return cls(
             residency.target_bytes(budget_bytes, headroom_bytes),
             residency.low_mark(budget_bytes, headroom_bytes),
+            budget_bytes // 2,
         )
 
 
@@ -260,6 +266,12 @@ class _Chunks:
     dirty: set[int] = dataclasses.field(default_factory=set)  # dirty at the last look
     dropped: set[int] = dataclasses.field(default_factory=set)
     exact: bool = True  # dirty pages counted by cachestat, not sampled page flags
+    # What the charge grew between looks, the last GROWTH_LOOKS of them, and
+    # the charge the last look left (after its drop).
+    growths: collections.deque[int] = dataclasses.field(
+        default_factory=lambda: collections.deque(maxlen=GROWTH_LOOKS)
+    )
+    settled: int | None = None
 
 
 class ResidencyKeeper(threading.Thread):
@@ -357,9 +369,16 @@ class ResidencyKeeper(threading.Thread):
         scan = self._look(ram, fds, state)
         resident = [c for c, pages in enumerate(scan.resident) if pages]
         ram.write_back(file_fd, resident, wait=False)
-        charge = (self.store.usage(self.vm) or {}).get("usage_bytes") or 0
+        charge = self._charge()
         self._sample(charge, sum(scan.resident) * residency.PAGE)
-        excess = residency.drop_pages(charge, marks.target, marks.low, guest_runs_here)
+        if state.settled is not None:
+            state.growths.append(charge - state.settled)
+        growth = residency.charge_growth(state.growths)
+        self.stats["growth_bytes"] = growth
+        excess = residency.drop_pages(
+            charge, marks.target, marks.low, guest_runs_here, growth, marks.floor
+        )
+        state.settled = charge
         if excess:
             victims = residency.drop_order(scan.resident, state.ages, state.writes, excess)
             ram.write_back(file_fd, victims, wait=True)
@@ -371,7 +390,11 @@ class ResidencyKeeper(threading.Thread):
             taken = residency.dropped_by_class(scan.resident, state.writes, victims)
             for name, pages in zip(residency.WRITE_CLASSES, taken, strict=True):
                 self.stats["dropped_pages_by_class"][name] += pages
+            state.settled = self._charge()
         self.stats["rounds"] += 1
+
+    def _charge(self) -> int:
+        return (self.store.usage(self.vm) or {}).get("usage_bytes") or 0
 
     def _look(self, ram: residency.GuestRam, fds: list[int], state: _Chunks) -> residency.ChunkScan:
         """Read each chunk's residency and writes (the page cache, else QEMU's page

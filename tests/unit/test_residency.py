@@ -353,3 +353,38 @@ def test_the_keeper_sees_and_drops_the_page_cache_qemu_does_not_map(tmp_path):
             if fd >= 0:
                 os.close(fd)
     assert path.read_bytes() == b"y" * 4 * MIB + b"x" * 4 * MIB  # nothing lost
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="process_madvise of another process needs root")
+def test_the_keeper_drops_ahead_of_a_charge_growing_fast(tmp_path):
+    """Under the target, but growing faster than the room left between the
+    charge and the target: the keeper drops now, and further down than its low
+    mark, instead of waiting for the charge to meet the cap."""
+    from agents.agent import cachestat, split_store
+
+    path = tmp_path / "guest.ram"
+    child = _Child(path, 8 * MIB, pause_before_writing=True)
+    store, keeper, ram, fds = _keeper_on(path, child.pid, os.O_RDWR)
+    try:
+        if not cachestat.available(fds[0]):
+            pytest.skip("this kernel has no cachestat (Linux >= 6.5)")
+        os.pwrite(fds[0], b"x" * 8 * MIB, 0)
+        os.fsync(fds[0])
+        state = split_store._Chunks(ages=[0] * 8, writes=[0] * 8)
+        marks = split_store._Marks(target=6 * MIB, low=4 * MIB, floor=2 * MIB)
+        store.charge = 3 * MIB
+        keeper._step(ram, fds, marks, state)
+        assert keeper.stats["drops"] == 0
+        store.charge = int(5.5 * MIB)  # +2.5 MiB a look: the next would pass the target
+        keeper._step(ram, fds, marks, state)
+        assert keeper.stats["growth_bytes"] == int(2.5 * MIB)
+        assert keeper.stats["drops"] == 1
+        # Down to 6 - 2.5 = 3.5 MiB, below the 4 MiB low mark: 2 of the 1 MiB chunks.
+        assert keeper.stats["dropped_bytes"] == 2 * MIB
+        assert sum(cachestat.chunk_pages(fds[0], 8, MIB)[0]) == 6 * 256
+    finally:
+        child.stop()
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
+    assert path.read_bytes() == b"x" * 8 * MIB  # nothing lost
