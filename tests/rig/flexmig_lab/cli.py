@@ -197,7 +197,10 @@ def _add_vm_parser(lab: argparse._SubParsersAction) -> None:  # type: ignore[typ
     create.add_argument("--ram", default="256M", help="e.g. 512M, 1G")
     create.add_argument("--vcpus", type=int, default=1)
     create.add_argument(
-        "--workload", default="idle", help="idle | dirtier:wss=128M,rate=20000[,pattern=random|seq]"
+        "--workload",
+        default="idle",
+        help="idle | dirtier:wss=128M,rate=20000[,pattern=random|seq][,hot=32M] (hot: only "
+        "the first 32M of the working set are rewritten, the rest written once)",
     )
     create.add_argument("--memory-backing", default="file", choices=("file", "anonymous"))
     create.set_defaults(func=cmd_vm_create)
