@@ -189,7 +189,10 @@ def main() -> None:
     parser.add_argument("--cases", default=",".join(CASES), help=f"subset of {', '.join(CASES)}")
     parser.add_argument("--workload", default=WORKLOAD, help="the guest's (lab VM syntax)")
     args = parser.parse_args()
-    vmspec.make_spec("bs-enough", f"{RAM_MIB}M", 1, args.workload, "file", 0)  # checks it
+    try:
+        vmspec.make_spec("bs-enough", f"{RAM_MIB}M", 1, args.workload, "file", 0)
+    except exceptions.InvalidInput as exc:
+        parser.error(f"--workload: {exc}")
     cases = args.cases.split(",")
     if "enough" not in cases or not set(cases) <= set(CASES):
         raise SystemExit(f"--cases: a subset of {', '.join(CASES)} including 'enough'")
