@@ -45,7 +45,8 @@ WORKLOAD = "dirtier:wss=200M,rate=2000"
 CASES = ("enough", "split-75", "split-50", "split-35", "swap-50")
 DEFAULT_OUT = Path("docs/benchmarks/split.md")
 AFTER_S = 10.0
-LAB_ENV = ("FLEXMIG_LAB_QEMU", "FLEXMIG_LAB_STORE")  # named in the table's command
+# Named in the table's command.
+LAB_ENV = ("FLEXMIG_LAB_QEMU", "FLEXMIG_LAB_STORE", "FLEXMIG_LAB_DIRTY_SAMPLE_SECONDS")
 READY_TIMEOUT_S = 300.0
 
 

@@ -52,6 +52,21 @@ def test_qemu_conf_points_memory_backing_at_the_host_store():
     assert 'migration_address = "10.250.0.1"' in conf
 
 
+def test_agent_conf_sets_the_dirty_samples_only_when_asked():
+    spec = topology.host_specs(2)[0]
+    args = dict(
+        key_file="/k",
+        store_dir="/s",
+        unix_socket="/u",
+        memory_budget_mb=4096,
+        cgroup_parent="p",
+    )
+    conf = daemon_config.agent_conf(spec, dirty_sample_seconds="1,5,15", **args)
+    migration = conf.split("[migration]")[1]
+    assert "dirty_sample_seconds = 1,5,15" in migration
+    assert "dirty_sample_seconds" not in daemon_config.agent_conf(spec, **args)
+
+
 def test_lab_name_rejects_names_unfit_for_namespaces(monkeypatch):
     monkeypatch.setenv("FLEXMIG_LAB_NAME", "Bad-Name")
     with pytest.raises(exceptions.InvalidInput, match="FLEXMIG_LAB_NAME"):

@@ -68,7 +68,10 @@ def agent_conf(
     unix_socket: str,
     memory_budget_mb: int,
     cgroup_parent: str,
+    dirty_sample_seconds: str = "",
 ) -> str:
+    """``dirty_sample_seconds``: the engine's option of that name, when given."""
+    samples = [f"dirty_sample_seconds = {dirty_sample_seconds}"] if dirty_sample_seconds else []
     return "\n".join(
         [
             "[agent]",
@@ -84,6 +87,7 @@ def agent_conf(
             # Lab fault tests cut links on purpose: notice a dead stream sooner.
             "stall_timeout = 8",
             "recovery_timeout = 120",
+            *samples,
             "",
         ]
     )
