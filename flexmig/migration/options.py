@@ -51,7 +51,11 @@ migration_opts = [
         deprecated_opts=_was("dirty_sample_seconds", "agent", "flexmig"),
         help="Lengths (s) of the dirty-rate samples (libvirt domdirtyrate-calc) "
         "the dirty-page model is fitted to before each migration; at least two "
-        "distinct values. Their sum delays the start of every migration.",
+        "distinct values. Their sum delays the start of every migration. Samples "
+        "much shorter than the time a guest takes to rewrite its set cannot tell a "
+        "small rewritten set from a large one (libvirt's page-sampled rates are "
+        "noisy), which split's forecast of faults on the store depends on: longer "
+        "ones (e.g. 1,5,15) make it steadier, at the cost of the delay.",
     ),
     cfg.IntOpt(
         "stream_bandwidth_mib",
