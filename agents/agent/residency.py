@@ -157,8 +157,9 @@ def drop_pages(
     (``charge_growth``): more than the stream, as each fault QEMU takes on
     the store reads 4 MiB ahead.  Half the headroom below the target was not
     room enough for it: at split-75 the charge rose 20-30 MiB a look, from
-    the low mark to the cap, and a cap hit just before the source stopped
-    put the switchover in ``reclaim_throttle`` (split_trace, hot-set guest).
+    the low mark to the cap, and at split-35 a cap hit just before the
+    source stopped put QEMU in ``reclaim_throttle`` (split_trace, hot-set
+    guest).
 
     >>> drop_pages(230 << 20, 220 << 20, 200 << 20) * PAGE >> 20
     30
