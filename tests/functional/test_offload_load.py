@@ -8,9 +8,12 @@ active, an operator's ``ovs-ofctl dump-flows`` answered within its timeout with
 the flows it must show, no other client's dump failed, every flow's counter
 <= sent and == sent on a loss-free run, and every elephant offloaded within
 the promotion latency target (200 ms, docs/benchmarks/offload-control.md).
-None of the three is met on the 2-core development machine (measured in
-docs/benchmarks/offload-load.md, last for issue 18 part 3): each is a strict xfail naming why, so it
-fails the run the day it is met and its mark must go.
+Not met on the 2-core development machine (measured in docs/benchmarks/offload-load.md,
+last for issue 18 part 3): the active flows and exact counters, and the promotion latency,
+are strict xfails naming why, so they fail the run the day they are met and their marks
+must go; the operator's dump showing every flow it must is met on a quiet machine and not
+under the benchmark's load, so its xfail is not strict.  Every dump answered within its
+timeout, with no other client's dump failing, is met and asserted plainly.
 """
 
 from __future__ import annotations
@@ -68,18 +71,22 @@ def test_10k_flows_are_active_and_every_counter_exact_under_load(loaded):
     assert not loaded.elephants_bad, loaded.elephants_bad
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="not met (docs/benchmarks/offload-load.md, issue 18 part 3): every dump is "
-    "answered within the timeout (0 of 2,000-5,600 others failed), but 1-2 of 6 operator "
-    "dumps lack the elephant they must show: its one first datagram was lost in the "
-    "starved datapath or judged late, so the app never tracked it",
-)
 def test_ovs_ofctl_is_answered_while_20_other_clients_dump_the_table(loaded):
     assert len(loaded.operator_s) == TRIALS, loaded.operator_failures[:3]
-    assert not loaded.operator_failures, loaded.operator_failures[:3]
     assert max(loaded.operator_s) < offload_load.OPERATOR_TIMEOUT_S
     assert loaded.dumper_dumps > 0 and not loaded.dumper_failures, loaded.dumper_failures[:3]
+
+
+@pytest.mark.xfail(
+    strict=False,
+    reason="met in some runs, not in others (docs/benchmarks/offload-load.md, issue 18 part "
+    "3): 1-2 of 6 operator dumps lacked the elephant they must show in the benchmark's runs "
+    "(its one first datagram lost in the starved datapath or judged late, so the app never "
+    "tracked it), while a CI run on a quiet machine (2026-11-28) showed it in all 6; strict, "
+    "it failed that run for meeting the target once",
+)
+def test_every_operator_dump_shows_the_flows_it_must(loaded):
+    assert not loaded.operator_failures, loaded.operator_failures[:3]
 
 
 @pytest.mark.xfail(
