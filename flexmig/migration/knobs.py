@@ -36,6 +36,9 @@ CHANNEL_BPS = 1000.0 * MIB
 # channel compresses; below that rate of link the CPU, not the link, limits.
 ZSTD_BPS_PER_CORE = 400.0 * MIB
 ZSTD_RATIO = 2.0  # what the lab's guests' pages compress to, conservatively
+# Channels a file-backed VM's precopy gets even where one stream fills the
+# path (choose_parallel; docs/benchmarks/split-parallel.md).
+FILE_BACKED_CHANNELS = 2
 # Zero-copy send saves the kernel's copy of each page: it pays where copying
 # is what holds the stream back, links of 10 Gb/s and more.
 ZEROCOPY_MIN_BPS = 1200.0 * MIB
@@ -145,6 +148,15 @@ FEATURES = {
             3_000_000,
             "resuming a postcopy whose connection broke, the VM paused on both hosts",
             newer_qemu=(9_001_000, RECOVER_SETUP_LIBVIRT),
+        ),
+        # QEMU 9.0: multifd channels detect zero pages, and the destination
+        # leaves one it never received untouched (5ef7e26bdb) where the single
+        # stream reads it, faulting the page into a file-backed guest's file.
+        Feature(
+            "multifd-zero-page",
+            5_002_000,
+            9_000_000,
+            "parallel channels that leave never-sent zero pages untouched on the destination",
         ),
         Feature("multifd-zstd", 9_004_000, 5_000_000, "zstd compression of parallel channels"),
         Feature("zerocopy", 8_005_000, 7_001_000, "zero-copy send of parallel channels"),
@@ -293,6 +305,8 @@ parallel-postcopy (needs QEMU 10.1.0): a single stream')
     path = inp.fabric_bps or 0.0
     wanted = min(8, math.ceil(path / CHANNEL_BPS)) if path > CHANNEL_BPS else 1
     wanted = max(1, min(wanted, int(inp.idle_cpus)))
+    if inp.file_backed and inp.transfer == "precopy" and wanted < FILE_BACKED_CHANNELS:
+        return _file_backed_channels(inp)
     if wanted == 1:
         return 1, (
             f"parallel: a single stream fills the {path / MIB:,.0f} MiB/s path "
@@ -303,6 +317,40 @@ parallel-postcopy (needs QEMU 10.1.0): a single stream')
     return wanted, (
         f"parallel: {wanted} channels to fill the {path / MIB:,.0f} MiB/s path "
         f"(one moves ~{CHANNEL_BPS / MIB:,.0f} MiB/s; {inp.idle_cpus:.1f} CPUs idle)"
+    )
+
+
+def _file_backed_channels(inp: KnobInputs) -> tuple[int, str]:
+    """Two channels for a file-backed VM's precopy, whatever the path.
+
+    One stream's destination reads every zero page the source reports, which
+    faults it into the VM's memory file: a 512 MiB guest with 300 MiB written
+    arrived with 535 MiB of its file resident, against 299 MiB over two
+    channels, and took 4.8 s against 3.8 s (its one load thread ran 78 % of
+    the time writing the file's pages, against 46 % for an anonymous guest).
+    A split VM's budget would take every one of those zero pages.
+
+    >>> inp = KnobInputs("precopy", 0, 100 * MIB, 100 * MIB, False, "qemu-tcp", 1.0,
+    ...                  {"parallel": "yes", "multifd-zero-page": "yes"}, True)
+    >>> _file_backed_channels(inp)[0]
+    2
+    >>> old = dataclasses.replace(inp, features={"parallel": "yes",
+    ...                                          "multifd-zero-page": "no: needs QEMU 9.0.0"})
+    >>> _file_backed_channels(old)
+    (1, 'parallel: a single stream: parallel channels would skip the zero pages of this \
+file-backed VM, but the hosts lack multifd-zero-page (needs QEMU 9.0.0)')
+    """
+    blocked = _has(inp, "parallel") or _has(inp, "multifd-zero-page")
+    if blocked:
+        return 1, (
+            "parallel: a single stream: parallel channels would skip the zero pages of this "
+            f"file-backed VM, but the hosts lack multifd-zero-page ({blocked})"
+        )
+    return FILE_BACKED_CHANNELS, (
+        f"parallel: {FILE_BACKED_CHANNELS} channels for a file-backed VM: unlike one stream "
+        "they leave the zero pages never sent untouched on the destination, so those pages "
+        "neither enter its memory file nor take a split budget, and the file's page writes "
+        "spread over two threads"
     )
 
 

@@ -105,6 +105,30 @@ def test_parallel_connections_fill_a_fast_path_where_cpus_are_idle():
     assert plan_for(hot=False, dest=HostSoftware(), parallel=4).parallel == 4
 
 
+def test_a_file_backed_vm_precopies_over_two_channels_where_qemu_skips_zero_pages():
+    # One stream faults every zero page into the destination's memory file.
+    plan = plan_for(hot=False, file_backed=True)
+    assert plan.mode == "precopy" and plan.parallel == 2
+    assert plan.params()[knobs.PARAM_PARALLEL_CONNECTIONS] == 2
+    assert "2 channels for a file-backed VM" in plan.explain()
+    # Even on a busy source: the destination's page writes are what they spread.
+    assert plan_for(hot=False, file_backed=True, idle_cpus=0.2).parallel == 2
+    # A faster path still gets its own count of channels.
+    assert plan_for(hot=False, file_backed=True, fabric_mib=3000, idle_cpus=6).parallel == 3
+    # QEMU before 9.0 writes every zero page a channel carries: one stream.
+    old = plan_for(hot=False, file_backed=True, dest=HostSoftware(11_003_000, 8_002_002))
+    assert old.parallel == 1 and "multifd-zero-page (destination needs QEMU 9.0.0)" in old.explain()
+    # Anonymous memory and an explicit single stream keep one stream.
+    assert plan_for(hot=False).parallel == 1
+    assert plan_for(hot=False, file_backed=True, parallel=1).parallel == 1
+    # So does postcopy (on tmpfs): with postcopy on, QEMU writes every zero page.
+    features = knobs.feature_matrix(BACKPORTS, BACKPORTS)
+    postcopy = knobs.KnobInputs(
+        "postcopy", 0, 100 * MIB, 100 * MIB, False, "qemu-tcp", 4.0, features, True
+    )
+    assert knobs.choose_parallel(postcopy)[0] == 1
+
+
 def test_parallel_postcopy_needs_qemu_10_1_on_both_ends():
     hot = plan_for(fabric_mib=3000, idle_cpus=6)
     assert hot.mode == "postcopy" and hot.parallel == 1
