@@ -403,6 +403,7 @@ def plan(
             idle_cpus=source.idle_cpus,
             features=features,
             file_backed=mem.file_backed,
+            split=decision.mode == "split",
         )
     )
     forecast = guest_downtime(request, vm, dest, link, decision, bandwidth, chosen)

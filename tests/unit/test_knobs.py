@@ -127,6 +127,30 @@ def test_a_file_backed_vm_precopies_over_two_channels_where_qemu_skips_zero_page
         "postcopy", 0, 100 * MIB, 100 * MIB, False, "qemu-tcp", 4.0, features, True
     )
     assert knobs.choose_parallel(postcopy)[0] == 1
+    # A split VM keeps one stream: its switchover was longer over two channels.
+    split = dataclasses.replace(postcopy, transfer="precopy", split=True)
+    assert knobs.choose_parallel(split) == (
+        1,
+        "parallel: a single stream for a split VM: over two channels its switchover "
+        "took up to 170 ms longer under the budget",
+    )
+
+
+def test_a_split_plan_keeps_one_stream_where_the_same_vm_with_room_gets_two():
+    def to(free_mib):
+        return planner.plan(
+            MigrationRequest(vm="vm", bandwidth_mib=100),
+            vm_facts(hot=False, file_backed=True),
+            planner.DestinationFacts(free_mib * MIB, 8192 * MIB, software=BACKPORTS),
+            planner.LinkFacts(fabric_bps=300 * MIB),
+            EngineOptions(),
+            source=planner.SourceFacts(BACKPORTS, 1.5),
+        )
+
+    split, room = to(300), to(4096)
+    assert split.mode == "split" and split.parallel == 1
+    assert "a single stream for a split VM" in split.explain()
+    assert room.mode == "precopy" and room.parallel == 2
 
 
 def test_parallel_postcopy_needs_qemu_10_1_on_both_ends():
