@@ -1,7 +1,8 @@
 """What a split migration's destination does during its final round, sampled every 10 ms.
 
     FLEXMIG_LAB_QEMU=trixie FLEXMIG_LAB_STORE=own-fs \\
-        .venv/bin/python -m tests.bench.split_trace [--budgets 75,50,35] [--workload W]
+        .venv/bin/python -m tests.bench.split_trace [--budgets 75,50,35] [--workload W] \\
+        [--parallel N]
 
 One 512 MiB file-backed guest (as ``bench_split``) migrated A->B by split.
 While it moves, a sampler in this process reads B's memory cgroup (charge,
@@ -185,7 +186,7 @@ def report(sampler: Sampler, src: dict[str, float], dst: dict[str, float]) -> No
             )
 
 
-def one(lab: Lab, budget_pct: int, index: int, workload: str) -> None:
+def one(lab: Lab, budget_pct: int, index: int, workload: str, parallel: int = 0) -> None:
     name = f"st{index}"
     lab.set_budget("B", 4096)
     vm.create(lab, "A", name=name, ram=f"{RAM_MIB}M", workload=workload, memory_backing="file")
@@ -197,7 +198,9 @@ def one(lab: Lab, budget_pct: int, index: int, workload: str) -> None:
         sampler.cap = budget_pct < 100
         sampler.start()
         try:
-            r = migrate_cli.migrate(lab, name, "B", show=False, bandwidth_mib=BANDWIDTH_MIB)
+            r = migrate_cli.migrate(
+                lab, name, "B", show=False, bandwidth_mib=BANDWIDTH_MIB, parallel=parallel
+            )
         finally:
             sampler.stop.set()
             sampler.join(2)
@@ -205,7 +208,7 @@ def one(lab: Lab, budget_pct: int, index: int, workload: str) -> None:
         print(
             f"{name}: {r['state']} mode {r.get('mode')} total {r.get('total_time_ms')} ms, "
             f"guest gap {r.get('guest_observed_downtime_ms')} ms, libvirt {r.get('downtime_ms')}"
-            f" ms, verify {r.get('verify')}"
+            f" ms, parallel {r.get('parallel')}, verify {r.get('verify')}"
         )
         src = checkpoints(lab, "A", name)
         report(sampler, src, checkpoints(lab, "B", name))
@@ -228,6 +231,14 @@ def main() -> int:
         "--budgets", default="50", help="comma list of 35, 50, 75, 100 (% of RAM; 100: enough RAM)"
     )
     parser.add_argument("--workload", default=WORKLOAD, help="the guest's (lab VM syntax)")
+    parser.add_argument(
+        "--parallel",
+        type=int,
+        default=0,
+        choices=range(9),
+        metavar="N",
+        help="connections to ask for (0: the plan's choice; 1: one stream; up to 8)",
+    )
     args = parser.parse_args()
     os.environ["FLEXMIG_LAB_QEMU_TRACE"] = "vmstate_downtime_checkpoint,handle_qmp_command"
     image.build()
@@ -235,7 +246,7 @@ def main() -> int:
     lab.up(2)
     try:
         for i, pct in enumerate(int(b) for b in args.budgets.split(",")):
-            one(lab, pct, i, args.workload)
+            one(lab, pct, i, args.workload, args.parallel)
     finally:
         lab.down()
     return 0
