@@ -151,6 +151,19 @@ agent_opts = [
         "the agent's own migration records as migrations/<id>.json.",
     ),
     cfg.IntOpt(
+        "dirty_sample_refresh",
+        default=0,
+        min=0,
+        max=100,
+        help="Seconds between background dirty-rate samplings of every running VM "
+        "not migrating ([migration] dirty_sample_seconds, all VMs at once). A "
+        "migration this agent plans (flexmig migrate, a drain; Nova's driver samples "
+        "by itself) while the last sampling is under 120 s old uses it instead of "
+        "waiting the samples' length for new ones, and longer samples "
+        "(which make split's forecast steadier) then delay no migration. At least "
+        "the sum of dirty_sample_seconds; 0 turns it off.",
+    ),
+    cfg.IntOpt(
         "reconcile_timeout",
         default=900,
         min=60,

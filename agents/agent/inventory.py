@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -20,8 +21,10 @@ from typing import Any
 import libvirt
 
 from flexmig import exceptions, hypervisor
-from flexmig.migration import facts, planner
+from flexmig.migration import facts, options, planner
 from flexmig.policy import dirty_model
+
+LOG = logging.getLogger(__name__)
 
 # Samples older than this are not reused for a migration's decision: a guest's
 # behaviour drifts, and a drain starts its migrations within seconds.
@@ -121,3 +124,55 @@ def _name_errors(
         if result.get("name") is None:
             result["name"] = dom.name()
     return results
+
+
+def check_refresh(interval_s: int, seconds: tuple[int, ...]) -> None:
+    """A refresh shorter than one sampling would start the next before it ended.
+
+    >>> check_refresh(0, (1, 5, 15)), check_refresh(30, (1, 5, 15))
+    (None, None)
+    >>> check_refresh(10, (1, 5, 15))
+    Traceback (most recent call last):
+    ...
+    flexmig.migration.options.InvalidConfig: Invalid [agent] dirty_sample_refresh: 10 s is \
+shorter than one sampling, the 21 s of [migration] dirty_sample_seconds (1, 5, 15)
+    """
+    if interval_s and interval_s < sum(seconds):
+        raise options.InvalidConfig(
+            group="agent",
+            option="dirty_sample_refresh",
+            reason=f"{interval_s} s is shorter than one sampling, the {sum(seconds)} s of "
+            f"[migration] dirty_sample_seconds {tuple(seconds)}",
+        )
+
+
+@dataclasses.dataclass
+class SampleRefresher:
+    """Samples every running VM not migrating, every ``interval_s``, into ``cache``.
+
+    A migration then plans on samples at most ``interval_s`` plus their length
+    old instead of waiting for new ones (``MigrationService.plan`` takes them).
+    """
+
+    interval_s: float
+    sample: Callable[[], list[dict[str, Any]]]  # running_vms, bound to the agent's state
+    stop: threading.Event = dataclasses.field(default_factory=threading.Event)
+    rounds: int = 0
+
+    def once(self) -> int:
+        """One sampling of every VM; how many were sampled (the rest are logged)."""
+        vms = self.sample()
+        for vm in vms:
+            if "error" in vm:
+                LOG.warning("background dirty-rate sample of %s: %s", vm["name"], vm["error"])
+        self.rounds += 1
+        return sum("error" not in vm for vm in vms)
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            started = time.monotonic()
+            try:
+                self.once()
+            except Exception:  # libvirt down for a while: the next round tries again
+                LOG.exception("background dirty-rate sampling")
+            self.stop.wait(max(1.0, self.interval_s - (time.monotonic() - started)))

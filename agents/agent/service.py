@@ -184,6 +184,20 @@ class Agent:
             return {"version": None, "detail": str(exc)}
         return {"version": hierarchy.version, "detail": hierarchy.describe()}
 
+    def sample_running_vms(self) -> list[dict[str, Any]]:
+        """Facts and fresh samples of every running VM not migrating (kept for plans)."""
+        busy = {
+            r.vm for r in self.migrations.records.values() if r.state in ("planning", "running")
+        }
+        return inventory.running_vms(
+            self.conf.agent.libvirt_uri,
+            self.host,
+            self.migrations.options.dirty_sample_seconds,
+            self.migrations.ram_mapping,
+            self.migrations.samples,
+            skip=busy.__contains__,
+        )
+
     def inventory(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         """Every running VM's facts and dirty model, and the links to ``probe`` peers."""
         api.check_fields(body, {}, {"probe": list})
@@ -198,18 +212,8 @@ class Agent:
             client = self.peer(peer["address"], peer["port"])
             dest = Destination(agent=client, libvirt_uri="", migration_uri="")
             links[peer["address"]] = dataclasses.asdict(self.migrations.link(dest))
-        busy = {
-            r.vm for r in self.migrations.records.values() if r.state in ("planning", "running")
-        }
+        vms = self.sample_running_vms()
         options = self.migrations.options
-        vms = inventory.running_vms(
-            self.conf.agent.libvirt_uri,
-            self.host,
-            options.dirty_sample_seconds,
-            self.migrations.ram_mapping,
-            self.migrations.samples,
-            skip=busy.__contains__,
-        )
         return 200, {
             "host": self.host,
             "vms": vms,
@@ -485,6 +489,17 @@ def tls(conf: cfg.ConfigOpts) -> ssl.SSLContext | None:
     return listener.server_tls(conf.agent.tls_cert_file, conf.agent.tls_key_file)
 
 
+def refresh_samples(agent: Agent) -> inventory.SampleRefresher | None:
+    """Sample every running VM in the background ([agent] dirty_sample_refresh)."""
+    interval = agent.conf.agent.dirty_sample_refresh
+    inventory.check_refresh(interval, agent.migrations.options.dirty_sample_seconds)
+    if not interval:
+        return None
+    refresher = inventory.SampleRefresher(interval, agent.sample_running_vms)
+    threading.Thread(target=refresher.run, name="sample-refresher", daemon=True).start()
+    return refresher
+
+
 def tend_movers(agent: Agent, interval_s: float = 5.0) -> None:
     """Movers nobody will finish: a previous agent's (retired when they end)
     and this agent's whose migration's other agent died (``reap_unclaimed``)."""
@@ -521,6 +536,7 @@ def main(argv: list[str] | None = None) -> int:
         # Migrations the previous agent left running: libvirt's job outlived it.
         agent.migrations.reconcile_unended(agent.peer)
         privileged.start()
+        refresh_samples(agent)
         servers = api.make_servers(
             conf.agent.listen_address,
             conf.agent.port,

@@ -46,7 +46,12 @@ CASES = ("enough", "split-75", "split-50", "split-35", "swap-50")
 DEFAULT_OUT = Path("docs/benchmarks/split.md")
 AFTER_S = 10.0
 # Named in the table's command.
-LAB_ENV = ("FLEXMIG_LAB_QEMU", "FLEXMIG_LAB_STORE", "FLEXMIG_LAB_DIRTY_SAMPLE_SECONDS")
+LAB_ENV = (
+    "FLEXMIG_LAB_QEMU",
+    "FLEXMIG_LAB_STORE",
+    "FLEXMIG_LAB_DIRTY_SAMPLE_SECONDS",
+    "FLEXMIG_LAB_DIRTY_SAMPLE_REFRESH",
+)
 READY_TIMEOUT_S = 300.0
 
 
@@ -68,6 +73,17 @@ def _wait_ready(guest: vm.LabVM) -> None:
             if time.monotonic() > deadline:
                 raise
             time.sleep(5)
+
+
+def _settle_samples() -> None:
+    """With background sampling (FLEXMIG_LAB_DIRTY_SAMPLE_REFRESH), wait until the
+    agent has sampled the guest after its working set was filled, as it has a
+    guest that has run for a while: a sampling begun during the fill would plan
+    on the fill's dirty rate."""
+    refresh = int(os.environ.get("FLEXMIG_LAB_DIRTY_SAMPLE_REFRESH") or 0)
+    if refresh:
+        lengths = os.environ.get("FLEXMIG_LAB_DIRTY_SAMPLE_SECONDS") or "1,2,3"
+        time.sleep(refresh + sum(int(s) for s in lengths.split(",")) + 5)
 
 
 def _after_move_rate(guest: vm.LabVM) -> float:
@@ -145,6 +161,7 @@ def one_run(lab: Lab, case: str, swap_file: Path, workload: str) -> dict:
         lab.set_budget("B", offer_mb(case) if not case.startswith("swap") else 4096)
         if case.startswith("swap"):
             return run_swap(lab, name, swap_file)
+        _settle_samples()
         return run_flexmig(lab, name)
     except exceptions.FlexMigError as exc:
         return dict(ok=False, time_s=math.nan, gap_ms=math.nan, bad=-1, note=str(exc)[:70])

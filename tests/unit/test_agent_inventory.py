@@ -7,6 +7,7 @@ import json
 import pytest
 
 from agents.agent import inventory
+from flexmig import exceptions
 from flexmig.policy import dirty_model
 
 
@@ -106,3 +107,50 @@ def test_the_agent_is_asked_for_the_engines_request_with_the_plans_mode():
             {"vm": "v", "mode": "precopy", "max_downtime_ms": 150, "dest": dst.dest_body()},
         )
     ]
+
+
+def test_the_background_refresher_keeps_samples_for_the_next_plan(monkeypatch):
+    from flexmig.migration import facts
+
+    taken = []
+
+    def sample(conn, dom, host, seconds):
+        taken.append(seconds)
+        return ((1.0, 500.0), (5.0, 1800.0))
+
+    monkeypatch.setattr(facts, "sample_dirty_pages", sample)
+    cache = inventory.SampleCache()
+    busy: set[str] = set()
+
+    def running():
+        return inventory.running_vms(
+            "test:///default",
+            "A",
+            (1, 5),
+            lambda vm, ram: (None, ram),
+            cache,
+            skip=busy.__contains__,
+        )
+
+    refresher = inventory.SampleRefresher(30, running)
+    assert refresher.once() == 1 and taken == [(1, 5)]
+    # The plan of a migration takes them instead of sampling (MigrationService.plan).
+    assert cache.take("test") == ((1.0, 500.0), (5.0, 1800.0))
+    busy.add("test")  # migrating: not sampled under its migration
+    assert refresher.once() == 0 and len(taken) == 1 and cache.take("test") is None
+    assert refresher.rounds == 2
+
+
+def test_the_refresher_outlives_a_failed_round_and_stops_when_told():
+    calls = []
+
+    def flaky():
+        calls.append(len(calls))
+        if len(calls) == 1:
+            raise exceptions.BackendError(backend="libvirt on A", reason="down")
+        refresher.stop.set()
+        return [{"name": "vm1", "error": "no dirty-rate calculation"}]
+
+    refresher = inventory.SampleRefresher(1, flaky)
+    refresher.run()  # returns once stopped; the first round's error is logged
+    assert calls == [0, 1] and refresher.rounds == 1

@@ -65,6 +65,9 @@ def test_agent_conf_sets_the_dirty_samples_only_when_asked():
     migration = conf.split("[migration]")[1]
     assert "dirty_sample_seconds = 1,5,15" in migration
     assert "dirty_sample_seconds" not in daemon_config.agent_conf(spec, **args)
+    refresh = daemon_config.agent_conf(spec, dirty_sample_refresh="30", **args)
+    assert "dirty_sample_refresh = 30" in refresh.split("[migration]")[0]
+    assert "dirty_sample_refresh" not in daemon_config.agent_conf(spec, **args)
 
 
 def test_lab_name_rejects_names_unfit_for_namespaces(monkeypatch):

@@ -69,9 +69,12 @@ def agent_conf(
     memory_budget_mb: int,
     cgroup_parent: str,
     dirty_sample_seconds: str = "",
+    dirty_sample_refresh: str = "",
 ) -> str:
-    """``dirty_sample_seconds``: the engine's option of that name, when given."""
+    """``dirty_sample_seconds`` ([migration]) and ``dirty_sample_refresh`` ([agent]):
+    the options of those names, when given."""
     samples = [f"dirty_sample_seconds = {dirty_sample_seconds}"] if dirty_sample_seconds else []
+    refresh = [f"dirty_sample_refresh = {dirty_sample_refresh}"] if dirty_sample_refresh else []
     return "\n".join(
         [
             "[agent]",
@@ -82,6 +85,7 @@ def agent_conf(
             f"unix_socket = {unix_socket}",
             f"memory_budget_mb = {memory_budget_mb}",
             f"cgroup_parent = {cgroup_parent}",
+            *refresh,
             # The engine's options (flexmig/migration/options.py).
             "[migration]",
             # Lab fault tests cut links on purpose: notice a dead stream sooner.

@@ -37,6 +37,7 @@ OWN_STORE_FS_MB = 16384  # sparse: blocks are used only as guests write
 STORE_CHOICES = ("shared", "own-fs", "own-fs-small-folios")
 # The agents' [migration] dirty_sample_seconds (e.g. "1,5,15"; unset: the default).
 DIRTY_SAMPLES_ENV = "FLEXMIG_LAB_DIRTY_SAMPLE_SECONDS"
+DIRTY_REFRESH_ENV = "FLEXMIG_LAB_DIRTY_SAMPLE_REFRESH"
 
 
 def store_choice() -> str:
@@ -110,6 +111,7 @@ class LabHost:
                 memory_budget_mb=memory_budget_mb,
                 cgroup_parent=topology.cgroup_parent(),
                 dirty_sample_seconds=os.environ.get(DIRTY_SAMPLES_ENV, ""),
+                dirty_sample_refresh=os.environ.get(DIRTY_REFRESH_ENV, ""),
             )
         )
 
