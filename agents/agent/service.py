@@ -532,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
         config.check_tls(conf)
         config.check_workers(conf)
         agent = Agent(conf)
+        inventory.check_refresh(
+            conf.agent.dirty_sample_refresh, agent.migrations.options.dirty_sample_seconds
+        )
         tend_movers(agent)
         # Migrations the previous agent left running: libvirt's job outlived it.
         agent.migrations.reconcile_unended(agent.peer)

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import pytest
 from oslo_config import cfg
 
-from agents.agent import api, auth, listener
+from agents.agent import api, auth, listener, service
 from agents.agent import config as agent_config
 from agents.agent.client import AgentClient, AgentError
 from agents.agent.service import Agent, limits, tls
@@ -212,3 +212,19 @@ def test_facts_name_where_peers_reach_this_agent(tmp_path: pathlib.Path) -> None
     with serving(agent_conf(tmp_path, port=9811)) as (_agent, port):
         facts = AgentClient("127.0.0.1", port, KEY).get("/v1/facts")
     assert facts["agent"] == {"address": "127.0.0.1", "port": 9811}
+
+
+def test_background_sampling_is_refused_below_one_sampling_and_runs_otherwise(tmp_path):
+    with pytest.raises(exceptions.InvalidInput, match=r"dirty_sample_refresh: 5 s is shorter"):
+        service.refresh_samples(Agent(agent_conf(tmp_path, dirty_sample_refresh=5)))
+    assert service.refresh_samples(Agent(agent_conf(tmp_path))) is None
+    refresher = service.refresh_samples(Agent(agent_conf(tmp_path, dirty_sample_refresh=30)))
+    assert refresher is not None
+    try:
+        deadline = time.monotonic() + 10
+        while refresher.rounds == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        # The test driver's node runs no VM: a round that sampled none.
+        assert refresher.rounds == 1
+    finally:
+        refresher.stop.set()
