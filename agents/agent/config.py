@@ -158,10 +158,11 @@ agent_opts = [
         help="Seconds between background dirty-rate samplings of every running VM "
         "not migrating ([migration] dirty_sample_seconds, all VMs at once). A "
         "migration this agent plans (flexmig migrate, a drain; Nova's driver samples "
-        "by itself) while the last sampling is under 120 s old uses it instead of "
-        "waiting the samples' length for new ones, and longer samples "
-        "(which make split's forecast steadier) then delay no migration. At least "
-        "the sum of dirty_sample_seconds; 0 turns it off.",
+        "by itself) fits every sampling of the last 120 s together instead of "
+        "waiting the samples' length for new ones: several page-sampled "
+        "calculations average out the noise of one, and longer samples (e.g. "
+        "1,5,15, which make split's forecast steadier) then delay no migration. At "
+        "least the sum of dirty_sample_seconds; 0 turns it off.",
     ),
     cfg.IntOpt(
         "reconcile_timeout",

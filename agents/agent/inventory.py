@@ -10,6 +10,7 @@ again (``MigrationService.plan``).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import dataclasses
 import logging
@@ -29,6 +30,8 @@ LOG = logging.getLogger(__name__)
 # Samples older than this are not reused for a migration's decision: a guest's
 # behaviour drifts, and a drain starts its migrations within seconds.
 SAMPLES_MAX_AGE_S = 120.0
+# Samplings kept per VM (a refresh every 15 s fills the age above with 8).
+MAX_SAMPLINGS = 8
 # libvirt's dirty-rate calculations of different domains run side by side;
 # more at once than this only queues behind QEMU's threads on a small host.
 MAX_PARALLEL_SAMPLES = 8
@@ -36,23 +39,49 @@ MAX_PARALLEL_SAMPLES = 8
 
 @dataclasses.dataclass
 class SampleCache:
-    """Recent dirty-rate samples per VM, shared by the inventory and migrations."""
+    """Recent dirty-rate samplings per VM, shared by the inventory, the background
+    refresher and migrations.
 
-    entries: dict[str, tuple[float, list[tuple[float, float]]]] = dataclasses.field(
-        default_factory=dict
+    A migration takes every sampling of the last SAMPLES_MAX_AGE_S together:
+    each of libvirt's page-sampled calculations hashes a fresh random set of
+    pages, so several of them average out the noise that makes one sampling's
+    fitted set swing (tests/bench/dirty_fit_noise.py).
+    """
+
+    entries: dict[str, collections.deque[tuple[float, list[tuple[float, float]]]]] = (
+        dataclasses.field(default_factory=dict)
     )
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def put(self, vm: str, samples: list[tuple[float, float]]) -> None:
         with self.lock:
-            self.entries[vm] = (time.monotonic(), samples)
+            history = self.entries.setdefault(vm, collections.deque(maxlen=MAX_SAMPLINGS))
+            history.append((time.monotonic(), samples))
 
     def take(self, vm: str) -> tuple[tuple[float, float], ...] | None:
-        """The VM's samples if fresh, once: a second migration samples anew."""
+        """The VM's fresh samplings' samples, once: a second migration samples anew."""
         with self.lock:
-            at, samples = self.entries.pop(vm, (0.0, []))
-        fresh = samples and time.monotonic() - at <= SAMPLES_MAX_AGE_S
-        return tuple(samples) if fresh else None
+            history = self.entries.pop(vm, ())
+        return _fresh(history)
+
+    def peek(self, vm: str) -> tuple[tuple[float, float], ...] | None:
+        """What ``take`` would return, left in place (what a drain plans from)."""
+        with self.lock:
+            history = tuple(self.entries.get(vm, ()))
+        return _fresh(history)
+
+    def forget_all_but(self, running: set[str]) -> None:
+        """Drop the samplings of VMs no longer running here (gone, or moved away):
+        a new VM given the same name must not inherit them."""
+        with self.lock:
+            for vm in set(self.entries) - running:
+                del self.entries[vm]
+
+
+def _fresh(history) -> tuple[tuple[float, float], ...] | None:
+    now = time.monotonic()
+    fresh = [s for at, samples in history if now - at <= SAMPLES_MAX_AGE_S for s in samples]
+    return tuple(fresh) if fresh else None
 
 
 def _one_vm(
@@ -66,6 +95,8 @@ def _one_vm(
     vm = facts.read_vm(conn, dom, host, seconds, ram_mapping)
     mem = vm.memory
     cache.put(vm.name, list(vm.dirty_samples))
+    # The drain plans from what its migrations will take: every fresh sampling.
+    vm = dataclasses.replace(vm, dirty_samples=cache.peek(vm.name) or vm.dirty_samples)
     model = dirty_model.fit(vm.dirty_samples, max_pages=mem.ram_bytes / facts.PAGE)
     return {
         "name": vm.name,
@@ -94,11 +125,9 @@ def running_vms(
     """Facts and fitted dirty model of every running VM (``skip``: VMs migrating now)."""
     with hypervisor.connect(uri, host) as conn:
         with hypervisor.wrap_errors(host, "list running VMs"):
-            doms = [
-                d
-                for d in conn.listAllDomains(libvirt.VIR_CONNECT_LIST_DOMAINS_ACTIVE)
-                if not skip(d.name())
-            ]
+            running = conn.listAllDomains(libvirt.VIR_CONNECT_LIST_DOMAINS_ACTIVE)
+            cache.forget_all_but({d.name() for d in running})
+            doms = [d for d in running if not skip(d.name())]
         if not doms:
             return []
         workers = min(MAX_PARALLEL_SAMPLES, len(doms))

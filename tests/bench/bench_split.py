@@ -33,6 +33,7 @@ import sys
 import time
 from pathlib import Path
 
+from agents.agent.inventory import SAMPLES_MAX_AGE_S
 from flexmig import exceptions, migrate_cli
 from flexmig_lab import image, vm, vmspec
 from flexmig_lab.lab import Lab
@@ -76,14 +77,14 @@ def _wait_ready(guest: vm.LabVM) -> None:
 
 
 def _settle_samples() -> None:
-    """With background sampling (FLEXMIG_LAB_DIRTY_SAMPLE_REFRESH), wait until the
-    agent has sampled the guest after its working set was filled, as it has a
-    guest that has run for a while: a sampling begun during the fill would plan
-    on the fill's dirty rate."""
+    """With background sampling (FLEXMIG_LAB_DIRTY_SAMPLE_REFRESH), wait until every
+    sampling the agent keeps for the plan began after the working set was filled,
+    as for a guest that has run steadily for a while: one begun during the fill
+    would plan on the fill's dirty rate."""
     refresh = int(os.environ.get("FLEXMIG_LAB_DIRTY_SAMPLE_REFRESH") or 0)
     if refresh:
         lengths = os.environ.get("FLEXMIG_LAB_DIRTY_SAMPLE_SECONDS") or "1,2,3"
-        time.sleep(refresh + sum(int(s) for s in lengths.split(",")) + 5)
+        time.sleep(SAMPLES_MAX_AGE_S + sum(int(s) for s in lengths.split(",")) + 2)
 
 
 def _after_move_rate(guest: vm.LabVM) -> float:

@@ -22,6 +22,30 @@ def test_samples_are_taken_once_and_only_while_fresh(monkeypatch):
     assert cache.take("vm1") is None
 
 
+def test_a_migration_takes_every_fresh_sampling_together(monkeypatch):
+    cache = inventory.SampleCache()
+    clock = [1000.0]
+    monkeypatch.setattr(inventory.time, "monotonic", lambda: clock[0])
+    cache.put("vm1", [(1.0, 10.0), (5.0, 40.0)])
+    clock[0] += inventory.SAMPLES_MAX_AGE_S - 10
+    cache.put("vm1", [(1.0, 12.0), (5.0, 38.0)])
+    # A drain plans from them without taking them; its migration then takes both.
+    assert cache.peek("vm1") == ((1.0, 10.0), (5.0, 40.0), (1.0, 12.0), (5.0, 38.0))
+    clock[0] += 20  # the first is now too old: only the second is fitted
+    assert cache.peek("vm1") == ((1.0, 12.0), (5.0, 38.0))
+    assert cache.take("vm1") == ((1.0, 12.0), (5.0, 38.0))
+    assert cache.take("vm1") is None
+    for i in range(inventory.MAX_SAMPLINGS + 3):
+        cache.put("vm2", [(1.0, float(i))])
+    kept = cache.take("vm2")
+    assert kept is not None and len(kept) == inventory.MAX_SAMPLINGS and kept[-1][1] == 10.0
+    # A VM no longer running here leaves nothing a new VM of its name could inherit.
+    cache.put("gone", [(1.0, 1.0)])
+    cache.put("vm3", [(1.0, 1.0)])
+    cache.forget_all_but({"vm3"})
+    assert cache.take("gone") is None and cache.take("vm3") == ((1.0, 1.0),)
+
+
 def test_a_vm_that_cannot_be_read_stays_in_the_answer_with_why():
     # libvirt's test driver runs one domain, "test", but has no dirty-rate
     # calculation: the inventory must say so for that VM, not drop it.
