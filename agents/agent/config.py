@@ -156,7 +156,9 @@ agent_opts = [
         min=0,
         max=100,
         help="Seconds between background dirty-rate samplings of every running VM "
-        "not migrating ([migration] dirty_sample_seconds, all VMs at once). A "
+        "not migrating ([migration] dirty_sample_seconds, all VMs at once; not "
+        "paused VMs, nor VMs held here under a split budget, whose pages the "
+        "sampling would fault back from the store). A "
         "migration this agent plans (flexmig migrate, a drain; Nova's driver samples "
         "by itself) fits every sampling of the last 120 s together instead of "
         "waiting the samples' length for new ones: several page-sampled "

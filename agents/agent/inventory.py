@@ -16,7 +16,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import libvirt
@@ -78,7 +78,9 @@ class SampleCache:
                 del self.entries[vm]
 
 
-def _fresh(history) -> tuple[tuple[float, float], ...] | None:
+def _fresh(
+    history: Iterable[tuple[float, list[tuple[float, float]]]],
+) -> tuple[tuple[float, float], ...] | None:
     now = time.monotonic()
     fresh = [s for at, samples in history if now - at <= SAMPLES_MAX_AGE_S for s in samples]
     return tuple(fresh) if fresh else None
@@ -121,13 +123,21 @@ def running_vms(
     ram_mapping: facts.RamMappingReader,
     cache: SampleCache,
     skip: Callable[[str], bool] = lambda name: False,
+    running_only: bool = False,
 ) -> list[dict[str, Any]]:
-    """Facts and fitted dirty model of every running VM (``skip``: VMs migrating now)."""
+    """Facts and fitted dirty model of every running VM (``skip``: VMs migrating now;
+    ``running_only``: not the paused, which include VMs still arriving)."""
     with hypervisor.connect(uri, host) as conn:
         with hypervisor.wrap_errors(host, "list running VMs"):
-            running = conn.listAllDomains(libvirt.VIR_CONNECT_LIST_DOMAINS_ACTIVE)
-            cache.forget_all_but({d.name() for d in running})
-            doms = [d for d in running if not skip(d.name())]
+            active = conn.listAllDomains(libvirt.VIR_CONNECT_LIST_DOMAINS_ACTIVE)
+            cache.forget_all_but({d.name() for d in active})
+            doms = [
+                d
+                for d in active
+                if not skip(d.name())
+                # info()'s first field is the state (Nova's fakelibvirt has no state()).
+                and not (running_only and d.info()[0] != libvirt.VIR_DOMAIN_RUNNING)
+            ]
         if not doms:
             return []
         workers = min(MAX_PARALLEL_SAMPLES, len(doms))
@@ -177,7 +187,8 @@ shorter than one sampling, the 21 s of [migration] dirty_sample_seconds (1, 5, 1
 
 @dataclasses.dataclass
 class SampleRefresher:
-    """Samples every running VM not migrating, every ``interval_s``, into ``cache``.
+    """Calls ``sample`` (running_vms, which keeps what it takes in the agent's
+    SampleCache) every ``interval_s``.
 
     A migration then plans on samples at most ``interval_s`` plus their length
     old instead of waiting for new ones (``MigrationService.plan`` takes them).

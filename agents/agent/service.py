@@ -184,19 +184,36 @@ class Agent:
             return {"version": None, "detail": str(exc)}
         return {"version": hierarchy.version, "detail": hierarchy.describe()}
 
-    def sample_running_vms(self) -> list[dict[str, Any]]:
-        """Facts and fresh samples of every running VM not migrating (kept for plans)."""
+    def sample_running_vms(self, background: bool = False) -> list[dict[str, Any]]:
+        """Facts and fresh samples of every running VM not migrating (kept for plans).
+
+        ``background``: not VMs this host holds under a split budget either
+        (libvirt's sampling reads pages spread over all of guest RAM, faulting
+        the store's into the cap 4 MiB at a time), nor paused ones (a VM still
+        arriving is paused, and its libvirt job would hold the sampling).
+        """
         busy = {
             r.vm for r in self.migrations.records.values() if r.state in ("planning", "running")
         }
+
+        def skip(vm: str) -> bool:
+            return vm in busy or (background and self._split_here(vm))
+
         return inventory.running_vms(
             self.conf.agent.libvirt_uri,
             self.host,
             self.migrations.options.dirty_sample_seconds,
             self.migrations.ram_mapping,
             self.migrations.samples,
-            skip=busy.__contains__,
+            skip=skip,
+            running_only=background,
         )
+
+    def _split_here(self, vm: str) -> bool:
+        try:
+            return self.store.reservation(vm) is not None
+        except exceptions.FlexMigError:  # a name the store refuses holds no reservation
+            return False
 
     def inventory(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         """Every running VM's facts and dirty model, and the links to ``probe`` peers."""
@@ -495,7 +512,9 @@ def refresh_samples(agent: Agent) -> inventory.SampleRefresher | None:
     inventory.check_refresh(interval, agent.migrations.options.dirty_sample_seconds)
     if not interval:
         return None
-    refresher = inventory.SampleRefresher(interval, agent.sample_running_vms)
+    refresher = inventory.SampleRefresher(
+        interval, lambda: agent.sample_running_vms(background=True)
+    )
     threading.Thread(target=refresher.run, name="sample-refresher", daemon=True).start()
     return refresher
 

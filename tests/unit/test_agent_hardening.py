@@ -228,3 +228,35 @@ def test_background_sampling_is_refused_below_one_sampling_and_runs_otherwise(tm
         assert refresher.rounds == 1
     finally:
         refresher.stop.set()
+
+
+NODE_WITH_TWO_VMS = """<node>
+  <domain type="test"><name>{0}</name><memory>65536</memory><os><type>hvm</type></os></domain>
+  <domain type="test"><name>{1}</name><memory>65536</memory><os><type>hvm</type></os></domain>
+</node>
+"""
+
+
+def test_background_sampling_leaves_split_vms_alone(tmp_path, monkeypatch):
+    """libvirt's sampling reads pages all over guest RAM: on a split VM each read of a
+    dropped page would fault 4 MiB back through the cap."""
+    from flexmig.migration import facts
+
+    sampled = []
+
+    def sample(conn, dom, host, seconds):
+        sampled.append(dom.name())
+        return ((1.0, 10.0), (2.0, 15.0))
+
+    monkeypatch.setattr(facts, "sample_dirty_pages", sample)
+    conf = agent_conf(tmp_path, dirty_sample_refresh=30)
+    (tmp_path / "node.xml").write_text(NODE_WITH_TWO_VMS.format("plain", "landed"))
+    agent = Agent(conf)
+    agent.migrations.ram_mapping = lambda vm, ram: (None, ram)  # no privsep daemon here
+    reservations = tmp_path / "state" / "split"
+    reservations.mkdir(parents=True)
+    (reservations / "landed.json").write_text("{}")
+    assert [vm["name"] for vm in agent.sample_running_vms(background=True)] == ["plain"]
+    assert sampled == ["plain"]
+    # A drain's inventory still reports it (sampled on request, as before).
+    assert {vm["name"] for vm in agent.sample_running_vms()} == {"plain", "landed"}

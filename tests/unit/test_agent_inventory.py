@@ -178,3 +178,35 @@ def test_the_refresher_outlives_a_failed_round_and_stops_when_told():
     refresher = inventory.SampleRefresher(1, flaky)
     refresher.run()  # returns once stopped; the first round's error is logged
     assert calls == [0, 1] and refresher.rounds == 1
+
+
+def test_background_sampling_skips_paused_vms(monkeypatch):
+    """A VM still arriving is paused, and its libvirt job would hold the sampling."""
+    import libvirt
+
+    from flexmig.migration import facts
+
+    monkeypatch.setattr(
+        facts, "sample_dirty_pages", lambda conn, dom, host, sec: ((1.0, 1.0), (2.0, 2.0))
+    )
+    conn = libvirt.open("test:///default")  # the test driver's default state, shared
+    dom = conn.lookupByName("test")
+    dom.suspend()
+    try:
+
+        def names(**kw):
+            vms = inventory.running_vms(
+                "test:///default",
+                "A",
+                (1, 2),
+                lambda vm, ram: (None, ram),
+                inventory.SampleCache(),
+                **kw,
+            )
+            return [vm["name"] for vm in vms]
+
+        assert names(running_only=True) == []
+        assert names() == ["test"]  # a drain's inventory reports paused VMs too
+    finally:
+        dom.resume()
+        conn.close()
