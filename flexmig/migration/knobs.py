@@ -348,12 +348,13 @@ def _file_backed_channels(inp: KnobInputs) -> tuple[int, str]:
     (1, 'parallel: a single stream: parallel channels would skip the zero pages of this \
 file-backed VM, but the hosts lack multifd-zero-page (needs QEMU 9.0.0)')
     """
-    blocked = _has(inp, "parallel") or _has(inp, "multifd-zero-page")
-    if blocked:
-        return 1, (
-            "parallel: a single stream: parallel channels would skip the zero pages of this "
-            f"file-backed VM, but the hosts lack multifd-zero-page ({blocked})"
-        )
+    for feature in ("parallel", "multifd-zero-page"):
+        blocked = _has(inp, feature)
+        if blocked:
+            return 1, (
+                "parallel: a single stream: parallel channels would skip the zero pages of "
+                f"this file-backed VM, but the hosts lack {feature} ({blocked})"
+            )
     return FILE_BACKED_CHANNELS, (
         f"parallel: {FILE_BACKED_CHANNELS} channels for a file-backed VM: unlike one stream "
         "they leave the zero pages never sent untouched on the destination, so those pages "
