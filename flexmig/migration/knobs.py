@@ -308,11 +308,12 @@ parallel-postcopy (needs QEMU 10.1.0): a single stream')
     wanted = max(1, min(wanted, int(inp.idle_cpus)))
     if inp.file_backed and inp.transfer == "precopy" and wanted < FILE_BACKED_CHANNELS:
         if inp.split:
-            # Measured: split-50 and split-35 stopped 80 and 170 ms longer over
-            # two channels than over one (docs/benchmarks/split-parallel.md).
+            # Measured in one interleaved run: over two channels split-50's and
+            # split-35's median guest downtime was 90 and 240 ms longer than over
+            # one (docs/benchmarks/split-parallel.md).
             return 1, (
                 "parallel: a single stream for a split VM: over two channels its "
-                "switchover took up to 170 ms longer under the budget"
+                "switchover took up to 240 ms longer under the budget"
             )
         return _file_backed_channels(inp)
     if wanted == 1:
