@@ -294,6 +294,9 @@ class ResidencyKeeper(threading.Thread):
             "dropped_pages_by_class": dict.fromkeys(residency.WRITE_CLASSES, 0),
             "drops": 0,
             "rounds": 0,
+            # Dropped chunks the guest read back once it ran here, by write class:
+            # each such fault read up to 4 MiB from the store (residency.py).
+            "back_after_resume_chunks": dict.fromkeys(residency.WRITE_CLASSES, 0),
         }
 
     def run(self) -> None:
@@ -366,7 +369,7 @@ class ResidencyKeeper(threading.Thread):
         guest_runs_here: bool = False,
     ) -> None:
         file_fd, pidfd = fds[0], fds[1]
-        scan = self._look(ram, fds, state)
+        scan = self._look(ram, fds, state, guest_runs_here)
         resident = [c for c, pages in enumerate(scan.resident) if pages]
         ram.write_back(file_fd, resident, wait=False)
         charge = self._charge()
@@ -396,7 +399,9 @@ class ResidencyKeeper(threading.Thread):
     def _charge(self) -> int:
         return (self.store.usage(self.vm) or {}).get("usage_bytes") or 0
 
-    def _look(self, ram: residency.GuestRam, fds: list[int], state: _Chunks) -> residency.ChunkScan:
+    def _look(
+        self, ram: residency.GuestRam, fds: list[int], state: _Chunks, guest_runs_here: bool = False
+    ) -> residency.ChunkScan:
         """Read each chunk's residency and writes (the page cache, else QEMU's page
         map); count writes and age every chunk (updates ``state``)."""
         file_fd, pagemap_fd, kpf_fd = fds[0], fds[2], fds[3]
@@ -409,6 +414,10 @@ class ResidencyKeeper(threading.Thread):
         dirty = scan.dirty
         back = {c for c in state.dropped if scan.resident[c]}
         state.dropped -= back
+        if guest_runs_here:
+            returned = self.stats["back_after_resume_chunks"]
+            for chunk in back:
+                returned[residency.WRITE_CLASSES[residency.write_class(state.writes[chunk])]] += 1
         state.writes = residency.record_writes(state.writes, state.dirty, dirty)
         state.dirty = dirty
         # A first arrival counts as a reference too: a trial that counted only

@@ -120,6 +120,7 @@ def run_flexmig(lab: Lab, name: str) -> dict:
         own_mib=((keeper.get("charge_bytes") or 0) - (keeper.get("guest_resident_bytes") or 0))
         / 2**20,
         by_class=keeper.get("dropped_pages_by_class"),
+        back_after_resume=keeper.get("back_after_resume_chunks"),  # dropped, read back by the guest
     )
     if row["ok"]:
         row["after_pps"] = _after_move_rate(vm.LabVM(lab, name))

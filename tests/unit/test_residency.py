@@ -388,3 +388,35 @@ def test_the_keeper_drops_ahead_of_a_charge_growing_fast(tmp_path):
             if fd >= 0:
                 os.close(fd)
     assert path.read_bytes() == b"x" * 8 * MIB  # nothing lost
+
+
+def test_the_keeper_counts_dropped_chunks_read_back_once_the_guest_runs_here(tmp_path):
+    """Chunks it dropped that come back after the resume are the guest's reads of
+    pages it had not rewritten: each cost a fault on the store (split-35's gap)."""
+    from agents.agent import cachestat, split_store
+
+    path = tmp_path / "guest.ram"
+    with open(path, "wb") as f:  # all four chunks cached, clean
+        f.write(b"z" * 4 * MIB)
+        os.fsync(f.fileno())
+    keeper = split_store.ResidencyKeeper(
+        split_store.SplitStore(str(tmp_path), str(tmp_path)), "vm", threading.Event()
+    )
+    ram = residency.GuestRam(os.getpid(), 0, 4 * MIB, str(path))
+    fds = [os.open(path, os.O_RDONLY), -1, -1, -1]
+    try:
+        if not cachestat.available(fds[0]):
+            pytest.skip("this kernel has no cachestat (Linux >= 6.5)")
+        state = split_store._Chunks(ages=[0] * 4, writes=[0, 1, 2, 2], dropped={0, 1})
+        keeper._look(ram, fds, state)  # back before the resume: the stream, not the guest
+        assert state.dropped == set()
+        assert sum(keeper.stats["back_after_resume_chunks"].values()) == 0
+        state.dropped = {0, 1, 2}
+        keeper._look(ram, fds, state, guest_runs_here=True)
+        assert keeper.stats["back_after_resume_chunks"] == {
+            "never written": 1,
+            "written once": 1,
+            "rewritten": 1,
+        }
+    finally:
+        os.close(fds[0])
