@@ -1,6 +1,7 @@
 """Split migration vs enough RAM vs conventional swap, side by side in one run.
 
     .venv/bin/python -m tests.bench.bench_split [--repeat N] [--out FILE] [--workload W]
+        [--cases enough,split-50,split-50:p2,...]
 
 One 512 MiB file-backed TCG guest dirtying a 200 MiB working set (or the
 workload given: `dirtier:wss=400M,hot=64M,rate=2000` is seed 003's VM, its
@@ -12,6 +13,10 @@ path with the stream capped at BANDWIDTH_MIB, to:
   FlexMig picks split with that resident budget;
 - swap-50: the conventional way: an anonymous-memory guest, B's QEMU capped
   at the split-50 budget by the same cgroup, a host swap file.
+
+A FlexMig case may name the parallel connections it asks for (`split-50:p2`:
+two channels; `split-50:p1`: one stream; bare: the plan's choice), so one
+run can compare them side by side.
 
 Per run: total time, guest-observed downtime (longest heartbeat gap),
 bad + lost pages (the guest's verify), the largest charge of B's cgroup
@@ -35,6 +40,7 @@ from pathlib import Path
 
 from agents.agent.inventory import SAMPLES_MAX_AGE_S
 from flexmig import exceptions, migrate_cli
+from flexmig.migration.request import MAX_PARALLEL
 from flexmig_lab import image, vm, vmspec
 from flexmig_lab.lab import Lab
 from tests.bench.bench_modes import _lab_qemu_version, _measure
@@ -54,6 +60,28 @@ LAB_ENV = (
     "FLEXMIG_LAB_DIRTY_SAMPLE_REFRESH",
 )
 READY_TIMEOUT_S = 300.0
+
+
+def case_parallel(case: str) -> tuple[str, int]:
+    """A case's base and the parallel connections its migration asks for (0: the plan's).
+
+    >>> case_parallel("split-50:p2"), case_parallel("enough")
+    (('split-50', 2), ('enough', 0))
+    >>> case_parallel("swap-50:p2")
+    Traceback (most recent call last):
+    ValueError: 'swap-50:p2': a case of enough, split-75, split-50, split-35, swap-50; \
+FlexMig's may end :pN (N in 1..8)
+    """
+    base, sep, count = case.partition(":p")
+    parallel = int(count) if count.isdigit() else -1
+    if base not in CASES or (
+        sep and (base.startswith("swap") or not 1 <= parallel <= MAX_PARALLEL)
+    ):
+        raise ValueError(
+            f"{case!r}: a case of {', '.join(CASES)}; "
+            f"FlexMig's may end :pN (N in 1..{MAX_PARALLEL})"
+        )
+    return base, parallel if sep else 0
 
 
 def offer_mb(case: str) -> int:
@@ -95,8 +123,9 @@ def _after_move_rate(guest: vm.LabVM) -> float:
     return (second["written"] - first["written"]) / (time.monotonic() - t0)
 
 
-def run_flexmig(lab: Lab, name: str) -> dict:
-    result = migrate_cli.migrate(lab, name, "B", show=False, bandwidth_mib=BANDWIDTH_MIB)
+def run_flexmig(lab: Lab, name: str, parallel: int = 0) -> dict:
+    asked = {"parallel": parallel} if parallel else {}
+    result = migrate_cli.migrate(lab, name, "B", show=False, bandwidth_mib=BANDWIDTH_MIB, **asked)
     check = result.get("verify") or {}
     status = lab.agent("B").get(f"/v1/split/{name}")
     keeper = status.get("residency") or {}
@@ -120,7 +149,8 @@ def run_flexmig(lab: Lab, name: str) -> dict:
         own_mib=((keeper.get("charge_bytes") or 0) - (keeper.get("guest_resident_bytes") or 0))
         / 2**20,
         by_class=keeper.get("dropped_pages_by_class"),
-        back_after_resume=keeper.get("back_after_resume_chunks"),  # dropped, read back by the guest
+        # Dropped chunks (1 MiB) the guest read back once it ran on B.
+        back_mib=sum((keeper.get("back_after_resume_chunks") or {}).values()),
     )
     if row["ok"]:
         row["after_pps"] = _after_move_rate(vm.LabVM(lab, name))
@@ -153,8 +183,9 @@ def run_swap(lab: Lab, name: str, swap_file: Path) -> dict:
         subprocess.run(["swapoff", str(swap_file)], check=True)
 
 
-def one_run(lab: Lab, case: str, swap_file: Path, workload: str) -> dict:
-    name = f"bs-{case}"
+def one_run(lab: Lab, variant: str, swap_file: Path, workload: str) -> dict:
+    case, parallel = case_parallel(variant)
+    name = f"bs-{case}" + (f"-p{parallel}" if parallel else "")
     lab.set_budget("B", 4096)
     backing = "anonymous" if case.startswith("swap") else "file"
     vm.create(lab, "A", name=name, ram=f"{RAM_MIB}M", workload=workload, memory_backing=backing)
@@ -164,7 +195,7 @@ def one_run(lab: Lab, case: str, swap_file: Path, workload: str) -> dict:
         if case.startswith("swap"):
             return run_swap(lab, name, swap_file)
         _settle_samples()
-        return run_flexmig(lab, name)
+        return run_flexmig(lab, name, parallel)
     except exceptions.FlexMigError as exc:
         return dict(ok=False, time_s=math.nan, gap_ms=math.nan, bad=-1, note=str(exc)[:70])
     finally:
@@ -182,6 +213,15 @@ def _cap_hits(rows: list[dict]) -> str:
     return str(max(hits)) if hits else ""
 
 
+def _each(rows: list[dict], key: str) -> str:
+    return ", ".join(f"{r[key]:.0f}" for r in rows if r.get("ok"))
+
+
+def _read_back(rows: list[dict]) -> str:
+    values = [r["back_mib"] for r in rows if r.get("ok") and "back_mib" in r]
+    return ", ".join(str(v) for v in values)
+
+
 def table(runs: dict[str, list[dict]]) -> list[str]:
     base_t, base_d = _median(runs["enough"], "time_s"), _median(runs["enough"], "gap_ms")
     lines = []
@@ -192,9 +232,11 @@ def table(runs: dict[str, list[dict]]) -> list[str]:
         pred = f"{pt:.2f} s ({pt / t - 1:+.0%}) / {pd:.0f} ms ({pd / d - 1:+.0%})"
         lines.append(
             f"| {case} | {sum(r['ok'] for r in rows)}/{len(rows)} | {t:.2f} | {t / base_t:.2f} "
-            f"| {d:.0f} | {d - base_d:+.0f} | {max(r['bad'] for r in rows)} "
+            f"| {d:.0f} ({_each(rows, 'gap_ms')}) | {d - base_d:+.0f} "
+            f"| {max(r['bad'] for r in rows)} "
             f"| {_median(rows, 'budget_mib'):.0f} | {max_charge:.0f} | {_cap_hits(rows)} "
-            f"| {pred if not case.startswith('swap') else ''} | {_median(rows, 'after_pps'):.0f} "
+            f"| {_read_back(rows)} | {pred if not case.startswith('swap') else ''} "
+            f"| {_median(rows, 'after_pps'):.0f} "
             f"| {rows[0].get('note', '')} |"
         )
     return lines
@@ -206,7 +248,11 @@ def main() -> None:
     )
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
-    parser.add_argument("--cases", default=",".join(CASES), help=f"subset of {', '.join(CASES)}")
+    parser.add_argument(
+        "--cases",
+        default=",".join(CASES),
+        help=f"subset of {', '.join(CASES)}; a FlexMig case may end :pN (N parallel connections)",
+    )
     parser.add_argument("--workload", default=WORKLOAD, help="the guest's (lab VM syntax)")
     args = parser.parse_args()
     try:
@@ -214,8 +260,13 @@ def main() -> None:
     except exceptions.InvalidInput as exc:
         parser.error(f"--workload: {exc}")
     cases = args.cases.split(",")
-    if "enough" not in cases or not set(cases) <= set(CASES):
-        raise SystemExit(f"--cases: a subset of {', '.join(CASES)} including 'enough'")
+    try:
+        for case in cases:
+            case_parallel(case)
+    except ValueError as exc:
+        parser.error(f"--cases: {exc}")
+    if "enough" not in cases or len(set(cases)) != len(cases):
+        parser.error("--cases: each case once, 'enough' among them (the baseline)")
     # A timeout's or an operator's SIGTERM still takes the lab (and the swap) down.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     image.build()
@@ -261,17 +312,19 @@ def write(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
         f"Medians of {args.repeat} run(s). Downtime is guest-observed. bad = bad + lost pages "
         "(max). max charge = largest charge of B's cgroup (keeper's samples for split, the "
         "kernel's peak for swap). cap hits = times a charge met B's cap and had to reclaim "
-        f"(memory.failcnt, max). after = dirtier pages/s in the {AFTER_S:.0f} s after the move "
+        "(memory.failcnt, max). read back = MiB the keeper had dropped that the guest read "
+        "back once it ran on B, per run (split). "
+        f"after = dirtier pages/s in the {AFTER_S:.0f} s after the move "
         f"(the workload asks for {vmspec.parse_workload(args.workload).rate}/s).",
         "",
         f"QEMU {_lab_qemu_version()}; started {args.started} UTC; load average at the start "
         f"{args.load_at_start:.1f}, at the end {os.getloadavg()[0]:.1f} on {os.cpu_count()} "
         "CPUs (the machine is shared; every lab run holds the lab lock).",
         "",
-        "| case | completed | total s | x enough | downtime ms | vs enough ms | bad | budget MiB "
-        "| max charge MiB | cap hits | predicted total / downtime (error) | after pages/s "
-        "| note |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| case | completed | total s | x enough | downtime ms (each run) | vs enough ms | bad "
+        "| budget MiB | max charge MiB | cap hits | read back MiB "
+        "| predicted total / downtime (error) | after pages/s | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text("\n".join(header + table(runs)) + "\n")
