@@ -215,6 +215,9 @@ class ChunkFlusher(threading.Thread):
 
 
 KEEPER_INTERVAL_S = 0.1
+# How long after the resume the keeper counts the dropped chunks the guest reads
+# back (the switchover's gap, not the guest's later reads of its cold memory).
+RESUME_WINDOW_S = 1.0
 # Looks whose charge growth the keeper makes room for (0.8 s at 0.1 s a look,
 # as long as the ages remember a reference).
 GROWTH_LOOKS = 8
@@ -294,8 +297,9 @@ class ResidencyKeeper(threading.Thread):
             "dropped_pages_by_class": dict.fromkeys(residency.WRITE_CLASSES, 0),
             "drops": 0,
             "rounds": 0,
-            # Dropped chunks the guest read back once it ran here, by write class:
-            # each such fault read up to 4 MiB from the store (residency.py).
+            # Dropped chunks the guest read back in its first RESUME_WINDOW_S here,
+            # by write class: each such fault read up to 4 MiB from the store
+            # (residency.py), inside or just after the switchover's gap.
             "back_after_resume_chunks": dict.fromkeys(residency.WRITE_CLASSES, 0),
         }
 
@@ -337,17 +341,19 @@ class ResidencyKeeper(threading.Thread):
             fds += [os.open("/proc/kpageflags", os.O_RDONLY)]
         self.stats["written_pages_from"] = "cachestat" if state.exact else "kpageflags sample"
         self.stats["resident_pages_from"] = "cachestat" if state.exact else "QEMU's page map"
-        resumed = False
+        resumed_at: float | None = None
         try:
             while not self.stop_event.wait(KEEPER_INTERVAL_S):
                 if os.fstat(fds[0]).st_nlink == 0:
                     self.stats["state"] = "VM left"
                     return
-                if not resumed and self._guest_runs_here():
+                if resumed_at is None and self._guest_runs_here():
                     # No final round to come; the kernel's LRU sees the guest's reads.
-                    resumed = True
+                    resumed_at = time.monotonic()
                     self.stats["state"] = "writing back; the guest runs here, the cap reclaims"
-                self._step(ram, fds, marks, state, guest_runs_here=resumed)
+                resumed = resumed_at is not None
+                count_back = resumed and time.monotonic() - resumed_at <= RESUME_WINDOW_S
+                self._step(ram, fds, marks, state, resumed, count_back)
         finally:
             for fd in fds:
                 if fd >= 0:
@@ -367,9 +373,10 @@ class ResidencyKeeper(threading.Thread):
         marks: _Marks,
         state: _Chunks,
         guest_runs_here: bool = False,
+        count_back: bool = False,
     ) -> None:
         file_fd, pidfd = fds[0], fds[1]
-        scan = self._look(ram, fds, state, guest_runs_here)
+        scan = self._look(ram, fds, state, count_back)
         resident = [c for c, pages in enumerate(scan.resident) if pages]
         ram.write_back(file_fd, resident, wait=False)
         charge = self._charge()
@@ -400,10 +407,11 @@ class ResidencyKeeper(threading.Thread):
         return (self.store.usage(self.vm) or {}).get("usage_bytes") or 0
 
     def _look(
-        self, ram: residency.GuestRam, fds: list[int], state: _Chunks, guest_runs_here: bool = False
+        self, ram: residency.GuestRam, fds: list[int], state: _Chunks, count_back: bool = False
     ) -> residency.ChunkScan:
         """Read each chunk's residency and writes (the page cache, else QEMU's page
-        map); count writes and age every chunk (updates ``state``)."""
+        map); count writes and age every chunk (updates ``state``); ``count_back``:
+        count the dropped chunks back since the last look in the stats."""
         file_fd, pagemap_fd, kpf_fd = fds[0], fds[2], fds[3]
         if state.exact:
             # The page cache, mapped or not, is what the VM is charged for.
@@ -414,7 +422,7 @@ class ResidencyKeeper(threading.Thread):
         dirty = scan.dirty
         back = {c for c in state.dropped if scan.resident[c]}
         state.dropped -= back
-        if guest_runs_here:
+        if count_back:
             returned = self.stats["back_after_resume_chunks"]
             for chunk in back:
                 returned[residency.WRITE_CLASSES[residency.write_class(state.writes[chunk])]] += 1

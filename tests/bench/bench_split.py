@@ -149,7 +149,7 @@ def run_flexmig(lab: Lab, name: str, parallel: int = 0) -> dict:
         own_mib=((keeper.get("charge_bytes") or 0) - (keeper.get("guest_resident_bytes") or 0))
         / 2**20,
         by_class=keeper.get("dropped_pages_by_class"),
-        # Dropped chunks (1 MiB) the guest read back once it ran on B.
+        # Dropped chunks (1 MiB) the guest read back in its first second on B.
         back_mib=sum((keeper.get("back_after_resume_chunks") or {}).values()),
     )
     if row["ok"]:
@@ -313,7 +313,7 @@ def write(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
         "(max). max charge = largest charge of B's cgroup (keeper's samples for split, the "
         "kernel's peak for swap). cap hits = times a charge met B's cap and had to reclaim "
         "(memory.failcnt, max). read back = MiB the keeper had dropped that the guest read "
-        "back once it ran on B, per run (split). "
+        "back in its first second on B, per run (split). "
         f"after = dirtier pages/s in the {AFTER_S:.0f} s after the move "
         f"(the workload asks for {vmspec.parse_workload(args.workload).rate}/s).",
         "",

@@ -412,7 +412,7 @@ def test_the_keeper_counts_dropped_chunks_read_back_once_the_guest_runs_here(tmp
         assert state.dropped == set()
         assert sum(keeper.stats["back_after_resume_chunks"].values()) == 0
         state.dropped = {0, 1, 2}
-        keeper._look(ram, fds, state, guest_runs_here=True)
+        keeper._look(ram, fds, state, count_back=True)
         assert keeper.stats["back_after_resume_chunks"] == {
             "never written": 1,
             "written once": 1,
