@@ -151,6 +151,7 @@ def run_flexmig(lab: Lab, name: str, parallel: int = 0) -> dict:
         by_class=keeper.get("dropped_pages_by_class"),
         # Dropped chunks (1 MiB) the guest read back in its first second on B.
         back_mib=sum((keeper.get("back_after_resume_chunks") or {}).values()),
+        back_by_class=keeper.get("back_after_resume_chunks"),  # printed per run
     )
     if row["ok"]:
         row["after_pps"] = _after_move_rate(vm.LabVM(lab, name))
