@@ -320,7 +320,8 @@ def write(args: argparse.Namespace, runs: dict[str, list[dict]]) -> None:
         "(max). max charge = largest charge of B's cgroup (keeper's samples for split, the "
         "kernel's peak for swap). cap hits = times a charge met B's cap and had to reclaim "
         "(memory.failcnt, max). read back = MiB the keeper had dropped that the guest read "
-        "back in its first second on B, per run (split). "
+        "back in its first second on B, per run (split; it includes the guest's verify, "
+        "which starts as soon as the heartbeat is back). "
         f"after = dirtier pages/s in the {AFTER_S:.0f} s after the move "
         f"(the workload asks for {vmspec.parse_workload(args.workload).rate}/s).",
         "",
