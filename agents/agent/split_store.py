@@ -299,7 +299,7 @@ class ResidencyKeeper(threading.Thread):
             "rounds": 0,
             # Dropped chunks the guest read back in its first RESUME_WINDOW_S here,
             # by write class: each such fault read up to 4 MiB from the store
-            # (residency.py), inside or just after the switchover's gap.  The
+            # (residency.py), in the gap or after it (whatever the guest reads).  The
             # first look after the resume also counts what came back since the
             # look before it (up to KEEPER_INTERVAL_S of the final round).
             "back_after_resume_chunks": dict.fromkeys(residency.WRITE_CLASSES, 0),
