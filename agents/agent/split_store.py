@@ -216,7 +216,8 @@ class ChunkFlusher(threading.Thread):
 
 KEEPER_INTERVAL_S = 0.1
 # How long after the resume the keeper counts the dropped chunks the guest reads
-# back (the switchover's gap, not the guest's later reads of its cold memory).
+# back: the switchover's gap and what follows it, not the guest's reads of its
+# cold memory minutes later.
 RESUME_WINDOW_S = 1.0
 # Looks whose charge growth the keeper makes room for (0.8 s at 0.1 s a look,
 # as long as the ages remember a reference).
