@@ -219,12 +219,8 @@ def _cap_hits(rows: list[dict]) -> str:
 
 
 def _each(rows: list[dict], key: str) -> str:
-    return ", ".join(f"{r[key]:.0f}" for r in rows if r.get("ok"))
-
-
-def _read_back(rows: list[dict]) -> str:
-    values = [r["back_mib"] for r in rows if r.get("ok") and "back_mib" in r]
-    return ", ".join(str(v) for v in values)
+    """Each completed run's ``key``, where the case has it (swap has no keeper)."""
+    return ", ".join(f"{r[key]:.0f}" for r in rows if r.get("ok") and key in r)
 
 
 def table(runs: dict[str, list[dict]]) -> list[str]:
@@ -241,7 +237,7 @@ def table(runs: dict[str, list[dict]]) -> list[str]:
             f"| {d - base_d:+.0f} "
             f"| {max(r['bad'] for r in rows)} "
             f"| {_median(rows, 'budget_mib'):.0f} | {max_charge:.0f} | {_cap_hits(rows)} "
-            f"| {_read_back(rows)} | {pred if not case.startswith('swap') else ''} "
+            f"| {_each(rows, 'back_mib')} | {pred if not case.startswith('swap') else ''} "
             f"| {_median(rows, 'after_pps'):.0f} "
             f"| {rows[0].get('note', '')} |"
         )
