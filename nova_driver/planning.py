@@ -10,8 +10,11 @@ plan is the engine's, exactly as the agent path makes it.
 
 from __future__ import annotations
 
+import math
 import xml.etree.ElementTree as ET
 from typing import Any
+
+from oslo_log import log as logging
 
 from agents.agent import auth
 from agents.agent.client import AgentClient
@@ -24,6 +27,7 @@ from flexmig.migration.request import MigrationRequest
 from nova_driver.migrate_data import DestinationOffer
 
 MIB = 2**20
+LOG = logging.getLogger(__name__)
 
 
 def split_destination_xml(xml: str) -> str:
@@ -120,9 +124,12 @@ def plan(
     raises as it is.
     """
     request = request_for(dom, offer, opts, conf)
+    samples = background_samples(local_agent, request.vm)
     try:
         store_fs = local_agent.get("/v1/facts").get("store_fs_type")
-        vm = facts.read_vm(conn, dom, host, opts.dirty_sample_seconds, None, store_fs)
+        vm = facts.read_vm(
+            conn, dom, host, opts.dirty_sample_seconds, None, store_fs, samples=samples
+        )
     except libvirt_error as exc:
         raise exceptions.HypervisorError(
             host=host, action=f"read {request.vm}'s facts", reason=str(exc)
@@ -150,6 +157,50 @@ def plan(
         source = planner.SourceFacts(idle_cpus=facts.idle_cpus())
     link = planner.LinkFacts(fabric_bps=fabric)
     return planner.plan(request, vm, dest, link, opts, source=source)
+
+
+def background_samples(local_agent: AgentClient, vm: str) -> tuple[tuple[float, float], ...] | None:
+    """The local agent's fresh background samplings of ``vm``, handed over once.
+
+    With ``[agent] dirty_sample_refresh`` on, the agent samples every VM in
+    the background and its own plans fit all samplings of the last two
+    minutes together, which averages out the noise of libvirt's page-sampled
+    rates that split's forecast of store faults depends on, and spares the
+    migration the samples' wait.  None (the driver then samples, as before):
+    the agent has none fresh, is older than the request, or cannot answer.
+    """
+    try:
+        reply = local_agent.post(f"/v1/samples/{vm}/take", {})
+    except exceptions.FlexMigError as exc:
+        LOG.info("FlexMig: sampling %s's dirty rate here (no background samples: %s)", vm, exc)
+        return None
+    return usable_samples(reply.get("samples") if isinstance(reply, dict) else None)
+
+
+def usable_samples(raw: Any) -> tuple[tuple[float, float], ...] | None:
+    """``raw`` as (seconds, pages) samples the dirty model can be fitted to, or None.
+
+    >>> usable_samples([[1, 100.0], [5, 400.0]])
+    ((1.0, 100.0), (5.0, 400.0))
+    >>> [usable_samples(r) for r in (None, [], [[1, 5], [1, 6]], [[1, 5], [0, 6]], [[1, "x"]])]
+    [None, None, None, None, None]
+    >>> usable_samples([[1, 5], [2, -1]]), usable_samples([[1, 5], [2, float("nan")]])
+    (None, None)
+    """
+    if not isinstance(raw, list):
+        return None
+    out = []
+    for sample in raw:
+        if not (isinstance(sample, list) and len(sample) == 2):
+            return None
+        if not all(isinstance(v, int | float) and not isinstance(v, bool) for v in sample):
+            return None
+        seconds, pages = (float(v) for v in sample)
+        if not (seconds > 0 and pages >= 0 and math.isfinite(seconds + pages)):
+            return None
+        out.append((seconds, pages))
+    # The fit tells the set from its rate only across two interval lengths.
+    return tuple(out) if len({s for s, _ in out}) >= 2 else None
 
 
 def _number(dest_facts: dict[str, Any], key: str) -> float:

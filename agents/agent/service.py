@@ -33,7 +33,7 @@ from agents.agent import (
 )
 from agents.agent.client import AgentClient
 from agents.agent.migrations import Destination, MigrationService, describe_learnt
-from agents.agent.split_store import ChunkFlusher, ResidencyKeeper, SplitStore
+from agents.agent.split_store import ChunkFlusher, ResidencyKeeper, SplitStore, check_name
 from flexmig import exceptions
 from flexmig.migration import options as migration_options
 from flexmig.migration.request import MigrationRequest
@@ -95,6 +95,7 @@ class Agent:
         r.add("POST", "/v1/incoming/writeback", self.incoming_writeback)
         # Read-only: Nova's drain (nova_driver.drain) asks it too.
         r.add("POST", "/v1/inventory", self.expensive(self.inventory))
+        r.add("POST", r"/v1/samples/(?P<vm>[^/]+)/take", self.take_samples)
         # Movers: the agents' own migrations and Nova's driver (which drives
         # libvirt itself and asks both agents for movers by migration id) use
         # them, so they stay open when orchestration is off.
@@ -214,6 +215,17 @@ class Agent:
             return self.store.reservation(vm) is not None
         except exceptions.FlexMigError:  # a name the store refuses holds no reservation
             return False
+
+    def take_samples(self, body: dict[str, Any], m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        """A VM's fresh background samplings, handed over once, as the agent's own
+        plan takes them: Nova's driver plans from these instead of sampling anew
+        for the samples' length (none: [agent] dirty_sample_refresh is off, or
+        nothing fresh)."""
+        api.check_fields(body, {})
+        vm = m.group("vm")
+        check_name(vm)
+        samples = self.migrations.samples.take(vm) or ()
+        return 200, {"vm": vm, "samples": [list(s) for s in samples]}
 
     def inventory(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
         """Every running VM's facts and dirty model, and the links to ``probe`` peers."""

@@ -46,7 +46,7 @@ MIN_BUDGET_BYTES = 64 << 20
 VM_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
 
 
-def _check_name(vm: str) -> None:
+def check_name(vm: str) -> None:
     if not VM_NAME_RE.match(vm):
         raise exceptions.InvalidInput(what="VM name", reason=f"{vm!r} is not a valid name")
 
@@ -78,7 +78,7 @@ class SplitStore:
         return Path(recorded) if recorded else self.hierarchy.own_group(self.cgroup_parent, vm)
 
     def reservation(self, vm: str) -> dict[str, Any] | None:
-        _check_name(vm)
+        check_name(vm)
         try:
             return json.loads((self.reservations / f"{vm}.json").read_text())
         except FileNotFoundError:
@@ -88,7 +88,7 @@ class SplitStore:
         self, vm: str, ram_bytes: int, budget_bytes: int, headroom_bytes: int | None = None
     ) -> dict[str, object]:
         """Reserve; ``headroom_bytes``: kept free under the cap for the final round."""
-        _check_name(vm)
+        check_name(vm)
         if not MIN_BUDGET_BYTES <= budget_bytes <= ram_bytes:
             raise exceptions.InvalidInput(
                 what="split budget",
@@ -129,7 +129,7 @@ class SplitStore:
 
     def memory_file(self, vm: str) -> str | None:
         """The VM's memory file libvirt made under the store (…/libvirt/qemu/<id>-<vm>/)."""
-        _check_name(vm)
+        check_name(vm)
         for path in self.store_dir.glob(f"libvirt/qemu/*-{vm}/*"):
             if path.is_file():
                 return str(path)
@@ -145,7 +145,7 @@ class SplitStore:
 
     def cleanup(self, vm: str, remove_cgroup: Callable[[str, str], None] | None = None) -> None:
         """Drop the reservation and the VM's group (the agent passes its privileged remover)."""
-        _check_name(vm)
+        check_name(vm)
         (self.reservations / f"{vm}.json").unlink(missing_ok=True)
         (remove_cgroup or self._remove_cgroup)(self.cgroup_parent, vm)
 

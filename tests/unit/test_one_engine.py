@@ -23,6 +23,7 @@ from flexmig import exceptions  # noqa: E402
 from flexmig.migration import facts  # noqa: E402
 from flexmig.migration.options import EngineOptions  # noqa: E402
 from flexmig.migration.request import MigrationRequest  # noqa: E402
+from flexmig.policy import split  # noqa: E402
 from nova_driver import planning  # noqa: E402
 from nova_driver.migrate_data import DestinationOffer, MoverOffer  # noqa: E402
 
@@ -97,13 +98,19 @@ class FakeConnection:
 
 
 class FakeAgent:
-    def __init__(self, facts: dict) -> None:
+    def __init__(self, facts: dict, background: dict | None = None) -> None:
         self.facts = facts
         self.address = "10.250.0.2"
+        self.background = dict(background or {})  # VM -> its background samples
 
     def get(self, path: str, **kw) -> dict:
         assert path == "/v1/facts"
         return self.facts
+
+    def post(self, path: str, body: dict, **kw) -> dict:
+        vm = path.removeprefix("/v1/samples/").removesuffix("/take")
+        assert path == f"/v1/samples/{vm}/take" and body == {}
+        return {"vm": vm, "samples": [list(s) for s in self.background.pop(vm, ())]}
 
     def probe_bandwidth(self, mib: int) -> float:
         return FABRIC_BPS
@@ -127,7 +134,9 @@ def instant_sampling(monkeypatch):
 OPTS = EngineOptions(dirty_sample_seconds=(1, 2))
 
 
-def _agent_plan(guest: Guest, dest_free_mib: int, store, monkeypatch, dest_facts=None, **asked):
+def _agent_plan(
+    guest: Guest, dest_free_mib: int, store, monkeypatch, dest_facts=None, background=(), **asked
+):
     dom = FakeDomain(guest)
     monkeypatch.setattr(
         migrations.hypervisor, "connect", lambda uri, host: _context(FakeConnection(dom))
@@ -142,6 +151,8 @@ def _agent_plan(guest: Guest, dest_free_mib: int, store, monkeypatch, dest_facts
     service.links_lock, service._probe_lock = threading.Lock(), threading.Lock()
     service.rdma = False
     service.samples = migrations.inventory.SampleCache()
+    if background:
+        service.samples.put("vm1", list(background))
     memory_file = str(store / "libvirt" / "qemu" / "vm1.ram") if guest.file_backed else None
     service.ram_mapping = lambda vm, ram: (memory_file, guest.resident_mib * MIB)
     dest_agent = FakeAgent(
@@ -152,7 +163,15 @@ def _agent_plan(guest: Guest, dest_free_mib: int, store, monkeypatch, dest_facts
     return service.plan(MigrationRequest(vm="vm1", **asked), dest)
 
 
-def _nova_plan(guest: Guest, dest_free_mib: int, store, split_reserved: bool, mover=None, **asked):
+def _nova_plan(
+    guest: Guest,
+    dest_free_mib: int,
+    store,
+    split_reserved: bool,
+    mover=None,
+    background=(),
+    **asked,
+):
     dom = FakeDomain(guest)
     offer = DestinationOffer(
         mover=mover,
@@ -171,7 +190,10 @@ def _nova_plan(guest: Guest, dest_free_mib: int, store, split_reserved: bool, mo
         ),
         flexmig=types.SimpleNamespace(agent_timeout=10.0, agent_ca_file=None),
     )
-    local = FakeAgent({"store_fs_type": facts.filesystem_of(str(store))})
+    local = FakeAgent(
+        {"store_fs_type": facts.filesystem_of(str(store))},
+        {"vm1": background} if background else {},
+    )
     return planning.plan(
         FakeConnection(dom),
         dom,
@@ -220,6 +242,21 @@ def test_both_paths_plan_the_same(tmp_path, monkeypatch, guest, dest_free_mib, m
     assert agent.guest_downtime == nova.guest_downtime
     # Both hosts run libvirt 11.3: the switchover hint (libvirt 11.1) on either path.
     assert nova.knobs.avail_switchover_mib == agent.knobs.avail_switchover_mib > 0
+
+
+def test_both_paths_plan_a_split_from_the_agents_background_samples(tmp_path, monkeypatch):
+    """With [agent] dirty_sample_refresh on, Nova's driver takes the samplings the
+    agent's own plan would: a guest that looks idle now but rewrote ~150 MiB in the
+    background samples is planned as the rewriter on both paths."""
+    background = [(1.0, 25_000.0), (2.0, 35_000.0), (1.0, 24_000.0), (2.0, 36_000.0)]
+    idle_now = Guest(resident_mib=512, dirty_mib_per_s={1: 0.5, 2: 0.4})
+    agent = _agent_plan(idle_now, 300, tmp_path, monkeypatch, background=background)
+    nova = _nova_plan(idle_now, 300, tmp_path, split_reserved=True, background=background)
+    sampled_now = _nova_plan(idle_now, 300, tmp_path, split_reserved=True)
+    assert agent.mode == nova.mode == "split", agent.explain()
+    assert agent.decision == nova.decision and agent.guest_downtime == nova.guest_downtime
+    assert nova.decision.store_faults.off_budget_bytes > 0, nova.explain()
+    assert sampled_now.decision.store_faults == split.NO_FAULTS, sampled_now.explain()
 
 
 def test_both_paths_refuse_the_same_vm_with_the_same_reasons(tmp_path, monkeypatch):
