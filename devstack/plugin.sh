@@ -107,6 +107,36 @@ function _flexmig_check_numbers {
     if [[ $FLEXMIG_FILE_BACKED_MEMORY_MB != auto ]]; then
         _flexmig_check_int FLEXMIG_FILE_BACKED_MEMORY_MB 1 67108864
     fi
+    _flexmig_check_sampling
+}
+
+# The agent refuses these at start (flexmig.migration.options, agents/agent/inventory.py):
+# say so before anything is configured.
+function _flexmig_check_sampling {
+    local seconds=$FLEXMIG_DIRTY_SAMPLE_SECONDS sum=0 length lengths
+    local -A seen=()
+    if [[ ! $seconds =~ ^[0-9]{1,2}(,[0-9]{1,2})*$ ]]; then
+        _flexmig_bad "FLEXMIG_DIRTY_SAMPLE_SECONDS='$seconds': comma-separated seconds (1-30)"
+        return
+    fi
+    IFS=, read -r -a lengths <<<"$seconds"
+    for length in "${lengths[@]}"; do
+        if ((10#$length < 1 || 10#$length > 30)); then
+            _flexmig_bad "FLEXMIG_DIRTY_SAMPLE_SECONDS: '$length' is not from 1 to 30 seconds"
+        fi
+        seen[$((10#$length))]=1
+        sum=$((sum + 10#$length))
+    done
+    if ((${#seen[@]} < 2)); then
+        _flexmig_bad "FLEXMIG_DIRTY_SAMPLE_SECONDS='$seconds': needs at least two distinct" \
+            "lengths (the model's set and rate are told apart across them)"
+    fi
+    _flexmig_check_int FLEXMIG_DIRTY_SAMPLE_REFRESH 0 100
+    local refresh=$FLEXMIG_DIRTY_SAMPLE_REFRESH
+    if [[ $refresh =~ ^[0-9]{1,3}$ ]] && ((10#$refresh > 0 && 10#$refresh < sum)); then
+        _flexmig_bad "FLEXMIG_DIRTY_SAMPLE_REFRESH='$refresh': shorter than one sampling," \
+            "the ${sum} s of FLEXMIG_DIRTY_SAMPLE_SECONDS ($seconds); 0 turns it off"
+    fi
 }
 
 function _flexmig_check_names {
@@ -368,6 +398,8 @@ function _flexmig_configure_agent {
     iniset "$FLEXMIG_AGENT_CONF" migration max_downtime_ms "$FLEXMIG_MAX_DOWNTIME_MS"
     iniset "$FLEXMIG_AGENT_CONF" migration allowed_modes "$FLEXMIG_ALLOWED_MODES"
     iniset "$FLEXMIG_AGENT_CONF" migration tcp_fabric_transport "$FLEXMIG_AGENT_TCP_FABRIC_TRANSPORT"
+    iniset "$FLEXMIG_AGENT_CONF" migration dirty_sample_seconds "$FLEXMIG_DIRTY_SAMPLE_SECONDS"
+    iniset "$FLEXMIG_AGENT_CONF" agent dirty_sample_refresh "$((10#$FLEXMIG_DIRTY_SAMPLE_REFRESH))"
     # Nova drives every live migration here: the agents' own orchestration
     # routes would let any holder of the shared key move VMs behind its back.
     iniset "$FLEXMIG_AGENT_CONF" agent allow_orchestration "$FLEXMIG_AGENT_ALLOW_ORCHESTRATION"
@@ -412,6 +444,7 @@ function _flexmig_configure_nova {
     fi
     iniset "$NOVA_CONF" migration max_downtime_ms "$FLEXMIG_MAX_DOWNTIME_MS"
     iniset "$NOVA_CONF" migration allowed_modes "$FLEXMIG_ALLOWED_MODES"
+    iniset "$NOVA_CONF" migration dirty_sample_seconds "$FLEXMIG_DIRTY_SAMPLE_SECONDS"
     if _flexmig_mode_allowed split; then
         # Nova refuses file-backed memory with any RAM overcommit.
         iniset "$NOVA_CONF" libvirt file_backed_memory "$(_flexmig_file_backed_memory_mb)"

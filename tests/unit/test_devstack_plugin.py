@@ -83,6 +83,7 @@ def test_post_config_points_nova_at_flexmig_with_every_option(stack):
     assert dict(nova["migration"]) == {
         "max_downtime_ms": "300",
         "allowed_modes": "precopy,postcopy,split",
+        "dirty_sample_seconds": "1,2,3",
     }
     # Split: file-backed memory (Nova needs no RAM overcommit for it); postcopy.
     assert nova["libvirt"]["file_backed_memory"] == str(mem_total_mib())
@@ -138,6 +139,22 @@ def test_post_config_writes_an_agent_config_the_agent_accepts(stack):
     assert conf.agent.libvirt_uri == "qemu:///system"
     # Nova drives migrations under DevStack: the agent's own orchestration is off.
     assert conf.agent.allow_orchestration is False
+    # The agent samples in the background, and Nova's driver plans from its samplings.
+    assert conf.agent.dirty_sample_refresh == 25
+    assert list(conf.migration.dirty_sample_seconds) == [1, 2, 3]
+
+
+def test_longer_samples_reach_the_agent_and_nova_alike(stack):
+    localrc = "FLEXMIG_DIRTY_SAMPLE_SECONDS=1,5,15 FLEXMIG_DIRTY_SAMPLE_REFRESH=030"
+    stack.run("stack:install", "stack:post-config", localrc=localrc)
+    conf = cfg.ConfigOpts()
+    agent_config.register_opts(conf)
+    conf(["--config-file", str(conf_dir(stack) / "agent.conf")], project="flexmig-test")
+    assert (conf.agent.dirty_sample_refresh, list(conf.migration.dirty_sample_seconds)) == (
+        30,
+        [1, 5, 15],
+    )
+    assert ini(stack.path("NOVA_CONF"))["migration"]["dirty_sample_seconds"] == "1,5,15"
 
 
 def _devstack_ca(stack):
@@ -534,6 +551,15 @@ BAD_SETTINGS = [
     ("FLEXMIG_STORE_DIR=relative/store", "FLEXMIG_STORE_DIR='relative/store'"),
     ("FLEXMIG_OFFLOAD_UPLINKS='eth0 eth1'", "FLEXMIG_OFFLOAD_UPLINKS='eth0 eth1'"),
     ("FLEXMIG_OFFLOAD_BRIDGE=br-int-is-too-long", "FLEXMIG_OFFLOAD_BRIDGE='br-int-is-too-long'"),
+    ("FLEXMIG_DIRTY_SAMPLE_SECONDS='1 2'", "FLEXMIG_DIRTY_SAMPLE_SECONDS='1 2': comma-separated"),
+    ("FLEXMIG_DIRTY_SAMPLE_SECONDS=1,45", "'45' is not from 1 to 30 seconds"),
+    ("FLEXMIG_DIRTY_SAMPLE_SECONDS=2,02", "needs at least two distinct lengths"),
+    ("FLEXMIG_DIRTY_SAMPLE_REFRESH=often", "FLEXMIG_DIRTY_SAMPLE_REFRESH='often'"),
+    ("FLEXMIG_DIRTY_SAMPLE_REFRESH=101", "FLEXMIG_DIRTY_SAMPLE_REFRESH='101'"),
+    (
+        "FLEXMIG_DIRTY_SAMPLE_SECONDS=1,5,15 FLEXMIG_DIRTY_SAMPLE_REFRESH=20",
+        "shorter than one sampling, the 21 s",
+    ),
 ]
 
 
