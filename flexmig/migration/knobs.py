@@ -310,9 +310,9 @@ parallel-postcopy (needs QEMU 10.1.0): a single stream')
         if inp.split:
             # Measured in one interleaved run: over two channels split-50's and
             # split-35's median guest downtime was 90 and 240 ms longer than over
-            # one (docs/benchmarks/split-parallel.md); in four such runs since,
-            # +59 to +329 ms over the enough case at one budget or more, against
-            # +5 to +38 over one stream (split-channels-*.md,
+            # one (docs/benchmarks/split-parallel.md); in three such runs since,
+            # +59 to +329 ms over the enough case (the target: +50) at one budget
+            # or more, against -46 to +38 ms over one stream (split-channels-*.md,
             # split-two-channels-current-qemu.md).
             return 1, (
                 "parallel: a single stream for a split VM: over two channels its "
