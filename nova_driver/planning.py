@@ -174,7 +174,10 @@ def background_samples(local_agent: AgentClient, vm: str) -> tuple[tuple[float, 
     except exceptions.FlexMigError as exc:
         LOG.info("FlexMig: sampling %s's dirty rate here (no background samples: %s)", vm, exc)
         return None
-    return usable_samples(reply.get("samples") if isinstance(reply, dict) else None)
+    samples = usable_samples(reply.get("samples") if isinstance(reply, dict) else None)
+    if samples:
+        LOG.info("FlexMig: planning %s from the host agent's %d recent samples", vm, len(samples))
+    return samples
 
 
 def usable_samples(raw: Any) -> tuple[tuple[float, float], ...] | None:

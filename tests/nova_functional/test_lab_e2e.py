@@ -244,6 +244,19 @@ class TestNovaMovesRealGuest(
         self.assertIsNotNone(rounds, "the destination never ended a store writeback")
         self.assertGreater(int(rounds.group(1)), 0)
 
+    def test_nova_plans_from_the_agents_recent_samples(self) -> None:
+        """The driver takes the samples the source's agent already has (here: its
+        inventory's, as a drain's or the background sampler's) instead of sampling."""
+
+        def inventory(_guest: Any) -> None:
+            vms = self.lab.agent("A").post("/v1/inventory", {})["vms"]
+            self.assertEqual(1, len([vm for vm in vms if vm["name"].startswith("instance-")]))
+
+        name, _migration, seen = self._boot_and_migrate(MODERATE, before_migration=inventory)
+        self.assertEqual(["flexmig_precopy"], seen["events"])
+        self.assertIn(f"planning {name} from the host agent's", self.stdlog.logger.output)
+        self.assertNotIn(f"sampling {name}'s dirty rate here", self.stdlog.logger.output)
+
     def test_hot_guest_goes_by_hybrid_postcopy(self) -> None:
         # Anonymous memory on both ends, and a 24 MiB/s stream (Nova's own cap): at 64
         # a loaded CI machine's TCG guest sampled slower than the stream (predicted to
