@@ -420,3 +420,55 @@ def test_the_keeper_counts_dropped_chunks_read_back_once_the_guest_runs_here(tmp
         }
     finally:
         os.close(fds[0])
+
+
+class _Reclaiming(_Usage):
+    """A store whose kernel reclaims what the keeper asks for, up to ``reclaimable``."""
+
+    def __init__(self, reclaimable: int) -> None:
+        super().__init__()
+        self.reclaimable = reclaimable
+        self.asked: list[int] = []
+
+    def reclaim(self, vm: str, nbytes: int) -> bool:
+        self.asked.append(nbytes)
+        freed = min(nbytes, self.reclaimable)
+        self.charge -= freed
+        return freed == nbytes
+
+
+@pytest.mark.parametrize("reclaimable", [64 * MIB, 1 * MIB])
+def test_once_the_guest_runs_here_the_kernel_makes_the_room_not_the_keepers_drops(
+    tmp_path, reclaimable
+):
+    """Over its target after the resume, the keeper asks the kernel's LRU for the
+    same room it would have dropped (it sees the guest's reads; the keeper does
+    not), drops nothing itself, and counts a reclaim that fell short."""
+    from agents.agent import cachestat, split_store
+
+    path = tmp_path / "guest.ram"
+    with open(path, "wb") as f:
+        f.write(b"z" * 4 * MIB)
+        os.fsync(f.fileno())
+    store = _Reclaiming(reclaimable)
+    keeper = split_store.ResidencyKeeper(store, "vm", threading.Event())  # type: ignore[arg-type]
+    ram = residency.GuestRam(os.getpid(), 0, 4 * MIB, str(path))
+    fds = [os.open(path, os.O_RDONLY), -1, -1, -1]  # no pidfd: a drop would fail
+    try:
+        if not cachestat.available(fds[0]):
+            pytest.skip("this kernel has no cachestat (Linux >= 6.5)")
+        state = split_store._Chunks(ages=[0] * 4, writes=[0] * 4)
+        marks = split_store._Marks(target=6 * MIB, low=4 * MIB, floor=2 * MIB)
+        store.charge = 5 * MIB
+        keeper._step(ram, fds, marks, state, guest_runs_here=True)
+        assert store.asked == []  # under the target: nothing asked
+        store.charge = 7 * MIB
+        keeper._step(ram, fds, marks, state, guest_runs_here=True)
+        assert store.asked == [3 * MIB]  # down to the low mark
+        assert keeper.stats["drops"] == 0 and keeper.stats["dropped_bytes"] == 0
+        assert keeper.stats["reclaims"] == 1
+        assert keeper.stats["reclaims_short"] == (0 if reclaimable >= 3 * MIB else 1)
+        assert keeper.stats["reclaimed_bytes"] == min(3 * MIB, reclaimable)
+    finally:
+        os.close(fds[0])
+    assert path.read_bytes() == b"z" * 4 * MIB
