@@ -20,7 +20,6 @@ keeps the VM under it before reclaim would have to.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import socket
 from pathlib import Path
 
@@ -180,66 +179,6 @@ def usage(hierarchy: MemoryHierarchy, group: Path) -> dict[str, int | None] | No
         "max_usage_bytes": values[2],
         "limit_hits": int(hits) if hits.isdigit() else None,
     }
-
-
-def reclaim(hierarchy: MemoryHierarchy, group: Path, nbytes: int) -> bool:
-    """Have the kernel reclaim ``nbytes`` of the group's memory now, in the caller.
-
-    The kernel's LRU picks the pages (it sees the guest's reads in the pages'
-    accessed bits), but the caller, not QEMU, does the work and any waiting on
-    writeback.  False when the kernel could not free that much.
-
-    - v2: ``memory.reclaim`` (Linux >= 5.19).
-    - v1 has no such file.  Lowering ``memory.limit_in_bytes`` to the usage
-      less ``nbytes`` reclaims in the writer, and the kernel only sets the new
-      limit once the usage is under it, so QEMU never meets the lower one
-      while the reclaim runs; the limit is put back right after, whatever
-      happened.
-    """
-    if nbytes <= 0:
-        return True
-    try:
-        if hierarchy.version == 2:
-            (group / "memory.reclaim").write_text(str(nbytes))
-            return True
-        return _reclaim_by_limit(group, nbytes)
-    except OSError as exc:
-        if exc.errno in (errno.EAGAIN, errno.EBUSY):
-            return False  # not that much reclaimable now: the cap stays the safety net
-        raise exceptions.FlexMigError(f"cannot reclaim memory in {group}: {exc}") from exc
-
-
-def _reclaim_by_limit(group: Path, nbytes: int) -> bool:
-    limit_file = group / "memory.limit_in_bytes"
-    cap_text = limit_file.read_text().strip()
-    used = int((group / "memory.usage_in_bytes").read_text())
-    goal = reclaim_goal(used, nbytes, int(cap_text))
-    if goal is None:
-        return True
-    try:
-        limit_file.write_text(str(goal))
-    finally:
-        limit_file.write_text(cap_text)
-    return True
-
-
-def reclaim_goal(used: int, nbytes: int, limit: int) -> int | None:
-    """The v1 limit that makes the kernel reclaim ``nbytes``: never above the cap
-    (that would not reclaim), never below a page (the kernel refuses 0); None
-    when there is nothing to reclaim.
-
-    >>> reclaim_goal(200 << 20, 30 << 20, 256 << 20) >> 20
-    170
-    >>> reclaim_goal(300 << 20, 30 << 20, 256 << 20) >> 20
-    226
-    >>> reclaim_goal(4096, 30 << 20, 256 << 20)
-    4096
-    >>> reclaim_goal(0, 30 << 20, 256 << 20) is None
-    True
-    """
-    if used <= 0:
-        return None
-    return max(4096, min(used, limit) - nbytes)
 
 
 def remove_own_group(hierarchy: MemoryHierarchy, parent: str, vm: str) -> None:

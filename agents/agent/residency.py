@@ -30,17 +30,9 @@ each page lives.  Every INTERVAL_S it
    charge grew between looks lately, so the next interval's stream lands in
    free room: clean file pages are simply unmapped and freed, no I/O inside
    QEMU's faults;
-5. once libvirt says the guest runs here, picks nothing more itself: the
-   guest's reads now say what is hot, and only the kernel sees them (accessed
-   bits).  It still keeps the same room under the cap, but has the kernel's
-   LRU make it, in the keeper's thread (``memcg.reclaim``): left to the cap,
-   that reclaim ran in QEMU's vCPU thread, inside the guest's faults, and on
-   cgroup v1 it sleeps in ``reclaim_throttle`` whenever the folio at the
-   LRU's tail is dirty (one 2 MiB folio is a whole reclaim batch): 115-120
-   ms of a split guest's first 0.6 s here (ftrace, hot-set guest).  Picking
-   by write history after the move instead, split-50's guest ran at 629
-   pages/s (split-resumed-headroom.md); left to the LRU, at 726-823
-   (split-kernel-lru.md).
+5. once libvirt says the guest runs here, drops nothing more: the guest's
+   reads now say what is hot, and only the kernel sees them (accessed bits),
+   so the cap's reclaim picks by its LRU among pages step 3 keeps clean.
 
 Why "written since the last writeback" is the evidence of hotness here: the
 destination sees the guest only through what arrives. A page the source sends
@@ -141,12 +133,20 @@ def drop_pages(
     charge_bytes: int,
     target: int,
     low: int,
+    guest_runs_here: bool = False,
     growth_bytes: int = 0,
     floor: int = 0,
 ) -> int:
     """Pages to drop now: none while the next interval's growth stays under the
     target; else down to the low mark, or lower by that growth (never below
-    ``floor``).
+    ``floor``); none once the guest runs here.
+
+    Once the guest runs, its reads are evidence the keeper cannot see and the
+    kernel's LRU can (the pages' accessed bits); the keeper only keeps the
+    store written back, so the cap's reclaim finds clean pages and waits on no
+    I/O.  Dropping by write history after the move too, split-50's guest ran
+    at 629 pages/s (split-resumed-headroom.md); left to the LRU, at 726-823
+    (split-kernel-lru.md).
 
     Dropping only the excess over the target left the charge at the target,
     and the next interval's stream (10 MiB at 100 MiB/s) took it to the cap:
@@ -165,16 +165,18 @@ def drop_pages(
     30
     >>> drop_pages(220 << 20, 220 << 20, 200 << 20)
     0
+    >>> drop_pages(230 << 20, 220 << 20, 200 << 20, guest_runs_here=True)
+    0
 
     Growing 30 MiB a look, a charge 10 MiB under the target is dropped now,
     down to 30 MiB under the target, but not below the floor:
 
-    >>> drop_pages(210 << 20, 220 << 20, 200 << 20, 30 << 20) * PAGE >> 20
+    >>> drop_pages(210 << 20, 220 << 20, 200 << 20, growth_bytes=30 << 20) * PAGE >> 20
     20
-    >>> drop_pages(210 << 20, 220 << 20, 200 << 20, 30 << 20, floor=195 << 20)
+    >>> drop_pages(210 << 20, 220 << 20, 200 << 20, growth_bytes=30 << 20, floor=195 << 20)
     3840
     """
-    if charge_bytes + growth_bytes <= target:
+    if guest_runs_here or charge_bytes + growth_bytes <= target:
         return 0
     down_to = max(floor, min(low, target - growth_bytes))
     return max(0, charge_bytes - down_to) // PAGE

@@ -155,10 +155,6 @@ class SplitStore:
     def usage(self, vm: str) -> dict[str, int | None] | None:
         return memcg.usage(self.hierarchy, self.cgroup_dir(vm))
 
-    def reclaim(self, vm: str, nbytes: int) -> bool:
-        """Have the kernel reclaim ``nbytes`` of the VM's memory now (memcg.reclaim)."""
-        return memcg.reclaim(self.hierarchy, self.cgroup_dir(vm), nbytes)
-
 
 def default_headroom(budget_bytes: int) -> int:
     """Headroom when the source names none: an eighth of the budget, at least 16 MiB.
@@ -301,11 +297,6 @@ class ResidencyKeeper(threading.Thread):
             # What the drops took, by write class (residency.WRITE_CLASSES).
             "dropped_pages_by_class": dict.fromkeys(residency.WRITE_CLASSES, 0),
             "drops": 0,
-            # After the resume: the kernel's reclaims the keeper asked for, those
-            # that freed less than asked, and what they freed (step 5 of residency.py).
-            "reclaims": 0,
-            "reclaims_short": 0,
-            "reclaimed_bytes": 0,
             "rounds": 0,
             # Dropped chunks the guest read back in its first RESUME_WINDOW_S here,
             # by write class: each such fault read up to 4 MiB from the store
@@ -362,7 +353,7 @@ class ResidencyKeeper(threading.Thread):
                 if resumed_at is None and self._guest_runs_here():
                     # No final round to come; the kernel's LRU sees the guest's reads.
                     resumed_at = time.monotonic()
-                    self.stats["state"] = "writing back; the guest runs here, the kernel reclaims"
+                    self.stats["state"] = "writing back; the guest runs here, the cap reclaims"
                 resumed = resumed_at is not None
                 count_back = resumed and time.monotonic() - resumed_at <= RESUME_WINDOW_S
                 self._step(ram, fds, marks, state, resumed, count_back)
@@ -397,12 +388,11 @@ class ResidencyKeeper(threading.Thread):
             state.growths.append(charge - state.settled)
         growth = residency.charge_growth(state.growths)
         self.stats["growth_bytes"] = growth
-        excess = residency.drop_pages(charge, marks.target, marks.low, growth, marks.floor)
+        excess = residency.drop_pages(
+            charge, marks.target, marks.low, guest_runs_here, growth, marks.floor
+        )
         state.settled = charge
-        if excess and guest_runs_here:
-            self._reclaim(charge, excess * residency.PAGE)
-            state.settled = self._charge()
-        elif excess:
+        if excess:
             victims = residency.drop_order(scan.resident, state.ages, state.writes, excess)
             ram.write_back(file_fd, victims, wait=True)
             ram.page_out(pidfd, victims)  # what QEMU maps ...
@@ -415,14 +405,6 @@ class ResidencyKeeper(threading.Thread):
                 self.stats["dropped_pages_by_class"][name] += pages
             state.settled = self._charge()
         self.stats["rounds"] += 1
-
-    def _reclaim(self, charge: int, nbytes: int) -> None:
-        """Have the kernel's LRU make the room once the guest runs here (step 5 of
-        residency.py): the keeper's thread waits on it, not the guest's faults."""
-        done = self.store.reclaim(self.vm, nbytes)
-        self.stats["reclaims"] += 1
-        self.stats["reclaims_short"] += 0 if done else 1
-        self.stats["reclaimed_bytes"] += max(0, charge - self._charge())
 
     def _charge(self) -> int:
         return (self.store.usage(self.vm) or {}).get("usage_bytes") or 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import socket
 from pathlib import Path
 
@@ -118,53 +117,6 @@ def test_usage_reads_each_versions_files(tmp_path, version, files, expected):
     keys = ("usage_bytes", "limit_bytes", "max_usage_bytes", "limit_hits")
     assert tuple(got[k] for k in keys) == expected
     assert memcg.usage(memcg.MemoryHierarchy(version, tmp_path), tmp_path / "gone") is None
-
-
-def _record_writes(monkeypatch, fail_at: int | None = None) -> list[tuple[str, str]]:
-    """Every cgroupfs write a test makes (file name, text); ``fail_at``: the
-    write that fails with EBUSY, as the kernel's does when it cannot reclaim."""
-    writes: list[tuple[str, str]] = []
-    original = Path.write_text
-
-    def write_text(path: Path, text: str, *args, **kwargs) -> int:
-        writes.append((path.name, text))
-        if len(writes) == fail_at:
-            raise OSError(errno.EBUSY, "Device or resource busy")
-        return original(path, text, *args, **kwargs)
-
-    monkeypatch.setattr(Path, "write_text", write_text)
-    return writes
-
-
-def test_v2_reclaim_asks_memory_reclaim_for_the_bytes(tmp_path, monkeypatch):
-    (tmp_path / "memory.reclaim").write_text("")
-    writes = _record_writes(monkeypatch)
-    assert memcg.reclaim(memcg.MemoryHierarchy(2, tmp_path), tmp_path, 30 << 20)
-    assert writes == [("memory.reclaim", str(30 << 20))]
-    assert memcg.reclaim(memcg.MemoryHierarchy(2, tmp_path), tmp_path, 0)
-    assert len(writes) == 1  # nothing asked, nothing written
-
-
-@pytest.mark.parametrize("fail_at", [None, 1])
-def test_v1_reclaim_dips_the_limit_and_always_puts_the_cap_back(tmp_path, monkeypatch, fail_at):
-    """v1 has no memory.reclaim: the limit goes to the usage less the bytes (the
-    kernel reclaims in the writer), then back to the cap, also when the kernel
-    could not reclaim that much (EBUSY), which is reported, not raised."""
-    (tmp_path / "memory.limit_in_bytes").write_text(f"{256 << 20}\n")
-    (tmp_path / "memory.usage_in_bytes").write_text(f"{250 << 20}\n")
-    writes = _record_writes(monkeypatch, fail_at)
-    done = memcg.reclaim(memcg.MemoryHierarchy(1, tmp_path), tmp_path, 30 << 20)
-    assert done is (fail_at is None)
-    assert writes == [
-        ("memory.limit_in_bytes", str(220 << 20)),
-        ("memory.limit_in_bytes", str(256 << 20)),
-    ]
-    assert (tmp_path / "memory.limit_in_bytes").read_text() == str(256 << 20)
-
-
-def test_reclaim_names_the_group_when_the_kernel_refuses(tmp_path):
-    with pytest.raises(exceptions.FlexMigError, match=r"cannot reclaim memory in .*gone"):
-        memcg.reclaim(memcg.MemoryHierarchy(2, tmp_path), tmp_path / "gone", 1 << 20)
 
 
 def test_the_store_records_where_the_hook_capped_qemu(tmp_path):

@@ -101,12 +101,12 @@ def test_memory_file_finds_what_libvirt_made(tmp_path: Path) -> None:
         store.memory_file("vm/../x")
 
 
-def test_the_keeper_knows_from_libvirt_when_the_guest_runs_here(
+def test_the_keeper_leaves_residency_to_the_lru_once_libvirt_says_the_guest_runs_here(
     tmp_path: Path, monkeypatch
 ) -> None:
-    """Before the switchover the keeper keeps the final round's headroom free by its
-    own drops; once libvirt's status file says the domain runs, the kernel's LRU
-    (which sees the guest's reads) picks what makes that room."""
+    """Before the switchover the keeper keeps the final round's headroom free; once
+    libvirt's status file says the domain runs, it drops nothing (the kernel's LRU,
+    which sees the guest's reads, chooses under the cap)."""
     monkeypatch.setattr(split_store, "LIBVIRT_PID_DIR", tmp_path)
     keeper = split_store.ResidencyKeeper(None, "vm1", threading.Event())
     assert not keeper._guest_runs_here()  # no status file: not known, headroom kept
@@ -119,3 +119,4 @@ def test_the_keeper_knows_from_libvirt_when_the_guest_runs_here(
     assert (marks.target >> 20, marks.low >> 20) == (192, 160)
     over = 230 << 20
     assert residency.drop_pages(over, marks.target, marks.low) == (over - marks.low) // 4096
+    assert residency.drop_pages(over, marks.target, marks.low, guest_runs_here=True) == 0
