@@ -167,6 +167,18 @@ agent_opts = [
         "1,5,15, which make split's forecast steadier) then delay no migration. At "
         "least the sum of dirty_sample_seconds; 0 turns it off.",
     ),
+    cfg.FloatOpt(
+        "split_hot_sample_seconds",
+        default=1.0,
+        min=0.0,
+        max=10.0,
+        help="Before a split migration this agent drives, how long to watch which "
+        "1 MiB chunks of the VM's memory file the guest writes (after writing the "
+        "file back), so the destination keeps them resident from the first round "
+        "(agents/agent/hot_chunks.py). Delays the migration's start by this much "
+        "plus the writeback. 0 turns it off: the destination then goes by what "
+        "the migration stream sends again.",
+    ),
     cfg.IntOpt(
         "reconcile_timeout",
         default=900,

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agents.agent import inventory, movers, privileged
+from agents.agent import inventory, movers, privileged, residency
 from agents.agent.client import AgentClient
 from agents.agent.migration_records import (
     ACTIVE,
@@ -184,6 +184,10 @@ class MigrationService:
         self.lock = threading.Lock()
         # Reads QEMU's map of guest RAM; the privileged daemon's by default.
         self.ram_mapping: facts.RamMappingReader = privileged.qemu_ram_mapping
+        # Which chunks the guest writes now (hot_chunks.py); privileged likewise.
+        self.hot_chunks: Callable[[str, int, float], list[list[int]] | None] = (
+            privileged.guest_hot_chunks
+        )
         self.rdma = movers.rdma_provider_present()
         # Samples a drain's inventory just took: its migrations decide on them.
         self.samples = inventory.SampleCache()
@@ -412,10 +416,36 @@ class MigrationService:
                 f"destination reserved a {decision.memory_budget_bytes >> 20} MiB "
                 "resident budget"
             )
+            self._hint_hot_chunks(record, decision.ram_bytes, dest)
             return False
         if record.request.store_writeback:
             self._request_writeback(record, dest)
         return record.request.store_writeback
+
+    def _hint_hot_chunks(self, record: MigrationRecord, ram_bytes: int, dest: Destination) -> None:
+        """Tell the destination's keeper which chunks the guest writes now.
+
+        A hint that cannot be had costs nothing but the hint: the keeper then
+        goes by what the stream sends again, as before (the event says why).
+        """
+        seconds = self.conf.agent.split_hot_sample_seconds
+        if not seconds:
+            return
+        started = time.monotonic()
+        try:
+            runs = self.hot_chunks(record.vm, ram_bytes, seconds)
+            if runs is None:
+                record.event("hot chunks: the VM's memory file cannot say (no writeback)")
+                return
+            dest.agent.post("/v1/split/hot", {"vm": record.vm, "chunks": runs})
+        except (OSError, exceptions.FlexMigError) as exc:
+            record.event(f"hot chunks: not sent, the keeper goes by the stream: {exc}")
+            return
+        mib = sum(count for _first, count in runs) * residency.CHUNK_BYTES >> 20
+        record.event(
+            f"hot chunks: the guest wrote {mib} MiB in {seconds:g} s; the destination "
+            f"keeps them resident ({time.monotonic() - started:.1f} s to sample)"
+        )
 
     def _run_job(
         self,

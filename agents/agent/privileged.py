@@ -18,9 +18,9 @@ from pathlib import Path
 from oslo_privsep import capabilities as caps
 from oslo_privsep import priv_context
 
-from agents.agent import memcg
+from agents.agent import hot_chunks, memcg
 from flexmig import exceptions
-from flexmig.migration.facts import guest_ram_mapping
+from flexmig.migration.facts import filesystem_of, guest_ram_mapping
 
 LIBVIRT_PID_DIR = Path("/run/libvirt/qemu")
 MAX_RAM_BYTES = 1 << 42
@@ -55,6 +55,21 @@ def qemu_ram_mapping(vm: str, ram_bytes: int) -> tuple[str | None, int]:
         raise exceptions.InvalidInput(what="RAM size", reason=str(ram_bytes))
     pid = int((LIBVIRT_PID_DIR / f"{vm}.pid").read_text(encoding="ascii"))
     return guest_ram_mapping(pid, ram_bytes)
+
+
+@agent_pctxt.entrypoint
+def guest_hot_chunks(vm: str, ram_bytes: int, interval_s: float) -> list[list[int]] | None:
+    """Runs of 1 MiB chunks a running VM's guest wrote within ``interval_s``
+    (hot_chunks.py; None: its memory is not a file with writeback)."""
+    check_name("VM name", vm)
+    if not 0 < ram_bytes <= MAX_RAM_BYTES:
+        raise exceptions.InvalidInput(what="RAM size", reason=str(ram_bytes))
+    pid = int((LIBVIRT_PID_DIR / f"{vm}.pid").read_text(encoding="ascii"))
+    path, _resident = guest_ram_mapping(pid, ram_bytes)
+    if path is None or filesystem_of(path) in hot_chunks.NO_WRITEBACK_FS:
+        return None
+    runs = hot_chunks.written_chunks(path, ram_bytes, interval_s)
+    return None if runs is None else [[first, count] for first, count in runs]
 
 
 @agent_pctxt.entrypoint

@@ -23,6 +23,7 @@ from agents.agent import (
     auth,
     config,
     facts,
+    hot_chunks,
     inventory,
     listener,
     mover_files,
@@ -91,6 +92,7 @@ class Agent:
         r.add("GET", r"/v1/probe/(?P<mib>[0-9]{1,3})", self.probe)
         r.add("POST", "/v1/split/prepare", self.split_prepare)
         r.add("POST", "/v1/split/cleanup", self.split_cleanup)
+        r.add("POST", "/v1/split/hot", self.split_hot)
         r.add("GET", r"/v1/split/(?P<vm>[^/]+)", self.split_status)
         r.add("POST", "/v1/incoming/writeback", self.incoming_writeback)
         # Read-only: Nova's drain (nova_driver.drain) asks it too.
@@ -274,6 +276,19 @@ class Agent:
         self.keepers[vm] = ResidencyKeeper(self.store, vm, stop)
         self.keepers[vm].start()
         return 200, result
+
+    def split_hot(self, body: dict[str, Any], _m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        """The chunks the source saw the guest write (hot_chunks.py), for the
+        VM's keeper to keep resident; checked whole before anything changes."""
+        api.check_fields(body, {"vm": str, "chunks": list})
+        vm = body["vm"]
+        reservation = self.store.reservation(vm)
+        keeper = self.keepers.get(vm)
+        if reservation is None or keeper is None:
+            raise exceptions.NotFound(what="split reservation", name=vm)
+        runs = hot_chunks.check_ranges(body["chunks"], reservation["ram_bytes"])
+        keeper.hint(hot_chunks.chunks_of(runs))
+        return 200, {"vm": vm, "hinted_chunks": keeper.stats["hinted_chunks"]}
 
     def _start_flusher(self, vm: str, lifetime_s: float | None = None) -> None:
         """Flush the VM's memory file in 1 MiB ranges once the incoming QEMU made it."""

@@ -304,7 +304,18 @@ class ResidencyKeeper(threading.Thread):
             # first look after the resume also counts what came back since the
             # look before it (up to KEEPER_INTERVAL_S of the final round).
             "back_after_resume_chunks": dict.fromkeys(residency.WRITE_CLASSES, 0),
+            # Chunks the source saw the guest write before the migration (hint).
+            "hinted_chunks": 0,
         }
+        self.hinted: frozenset[int] = frozenset()
+
+    def hint(self, chunks: frozenset[int]) -> None:
+        """Chunks to keep with the rewritten set from now on (hot_chunks.py).
+
+        One reference swap: the keeper's thread reads whichever set is current.
+        """
+        self.hinted = chunks
+        self.stats["hinted_chunks"] = len(chunks)
 
     def run(self) -> None:
         try:
@@ -393,7 +404,9 @@ class ResidencyKeeper(threading.Thread):
         )
         state.settled = charge
         if excess:
-            victims = residency.drop_order(scan.resident, state.ages, state.writes, excess)
+            victims = residency.drop_order(
+                scan.resident, state.ages, state.writes, excess, self.hinted
+            )
             ram.write_back(file_fd, victims, wait=True)
             ram.page_out(pidfd, victims)  # what QEMU maps ...
             ram.forget(file_fd, victims)  # ... and the cache it does not

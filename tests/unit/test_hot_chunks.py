@@ -1,0 +1,195 @@
+"""The source's map of what the guest writes, and the destination taking it as a hint."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import threading
+import types
+
+import pytest
+
+from agents.agent import cachestat, hot_chunks, migrations, privileged, residency, split_store
+from agents.agent.service import Agent
+from flexmig import exceptions
+from tests.unit.test_agent_hardening import agent_conf
+
+MIB = 1 << 20
+
+
+@pytest.fixture
+def memory_file(tmp_path: pathlib.Path) -> pathlib.Path:
+    path = tmp_path / "vm1.ram"
+    path.write_bytes(b"\1" * (8 * MIB))  # all dirty: written before the sample
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if not cachestat.available(fd):
+            pytest.skip("this kernel has no cachestat (Linux >= 6.5 on x86_64/arm64/riscv64)")
+    finally:
+        os.close(fd)
+    return path
+
+
+def test_only_chunks_written_during_the_interval_are_hot(memory_file, monkeypatch):
+    def write_while_waiting(_seconds: float) -> None:
+        fd = os.open(memory_file, os.O_WRONLY)
+        try:
+            for offset in (2 * MIB + 4096, 3 * MIB, 6 * MIB + 8192):
+                os.pwrite(fd, b"\2" * 4096, offset)
+        finally:
+            os.close(fd)
+
+    monkeypatch.setattr(hot_chunks.time, "sleep", write_while_waiting)
+    runs = hot_chunks.written_chunks(str(memory_file), 8 * MIB, 1.0)
+    # The file's earlier writes were written back first: only the interval's show,
+    # with the rest of their folio where the filesystem caches 2 MiB folios.
+    assert {2, 3, 6} <= hot_chunks.chunks_of(runs) <= {2, 3, 6, 7}
+
+
+def test_a_quiet_guest_has_no_hot_chunks(memory_file, monkeypatch):
+    monkeypatch.setattr(hot_chunks.time, "sleep", lambda _s: None)
+    assert hot_chunks.written_chunks(str(memory_file), 8 * MIB, 0.5) == []
+
+
+@pytest.mark.parametrize("seconds", [0, -1, 10.5])
+def test_the_interval_is_bounded(memory_file, seconds):
+    with pytest.raises(exceptions.InvalidInput, match="hot sample interval"):
+        hot_chunks.written_chunks(str(memory_file), 8 * MIB, seconds)
+
+
+def test_a_writeback_slower_than_its_timeout_gives_up(memory_file, monkeypatch):
+    release = threading.Event()
+    monkeypatch.setattr(
+        hot_chunks._LIBC, "sync_file_range", lambda *a: release.wait(5) and 0, raising=False
+    )
+    try:
+        with pytest.raises(exceptions.Timeout, match="written back"):
+            hot_chunks.written_chunks(str(memory_file), 8 * MIB, 1.0, timeout_s=0.2)
+    finally:
+        release.set()
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "0-3",
+        [[0]],
+        [[0, 0]],
+        [[-1, 2]],
+        [[7, 2]],
+        [[True, 1]],
+        [["0", 1]],
+        [[0, 1]] * (hot_chunks.MAX_RANGES + 1),
+    ],
+)
+def test_malformed_hints_are_refused(bad):
+    with pytest.raises(exceptions.InvalidInput, match="hot chunks"):
+        hot_chunks.check_ranges(bad, 8 * MIB)
+
+
+# -- the destination: POST /v1/split/hot -------------------------------------
+
+
+@pytest.fixture
+def agent_with_keeper(tmp_path):
+    agent = Agent(agent_conf(tmp_path))
+    agent.store._write_reservation("vm1", {"ram_bytes": 8 * MIB, "budget_bytes": 4 * MIB})
+    agent.keepers["vm1"] = split_store.ResidencyKeeper(agent.store, "vm1", threading.Event())
+    return agent
+
+
+def test_the_keeper_takes_the_hint(agent_with_keeper):
+    code, body = agent_with_keeper.split_hot({"vm": "vm1", "chunks": [[1, 3], [6, 1]]}, None)
+    assert (code, body["hinted_chunks"]) == (200, 4)
+    assert agent_with_keeper.keepers["vm1"].hinted == {1, 2, 3, 6}
+
+
+def test_a_bad_hint_changes_nothing(agent_with_keeper):
+    agent_with_keeper.split_hot({"vm": "vm1", "chunks": [[0, 1]]}, None)
+    with pytest.raises(exceptions.InvalidInput):
+        agent_with_keeper.split_hot({"vm": "vm1", "chunks": [[0, 1], [7, 5]]}, None)
+    assert agent_with_keeper.keepers["vm1"].hinted == {0}
+
+
+def test_a_hint_for_a_vm_without_reservation_is_refused(agent_with_keeper):
+    with pytest.raises(exceptions.NotFound, match="split reservation"):
+        agent_with_keeper.split_hot({"vm": "vm2", "chunks": []}, None)
+
+
+def test_hinted_chunks_are_dropped_after_the_other_written_once_ones():
+    resident, ages, writes = [256] * 4, [0, 0, 0x80, 0], [1, 1, 1, 2]
+    assert residency.drop_order(resident, ages, writes, 512) == [1, 0]
+    assert residency.drop_order(resident, ages, writes, 512, hinted={0, 1}) == [2, 3]
+
+
+# -- the source: what a split migration sends -----------------------------------
+
+
+class _DestAgent:
+    def __init__(self, fail: Exception | None = None):
+        self.posts: list[tuple[str, dict]] = []
+        self.fail = fail
+
+    def post(self, path: str, body: dict) -> dict:
+        if self.fail:
+            raise self.fail
+        self.posts.append((path, body))
+        return {}
+
+
+def _source(hot, seconds: float = 1.0):
+    service = migrations.MigrationService.__new__(migrations.MigrationService)
+    service.conf = types.SimpleNamespace(
+        agent=types.SimpleNamespace(split_hot_sample_seconds=seconds)
+    )
+    service.hot_chunks = hot
+    record = types.SimpleNamespace(vm="vm1", events=[])
+    record.event = record.events.append
+    return service, record
+
+
+def test_the_source_sends_what_it_sampled():
+    asked = []
+    service, record = _source(lambda vm, ram, s: asked.append((vm, ram, s)) or [[4, 2]])
+    dest = types.SimpleNamespace(agent=_DestAgent())
+    service._hint_hot_chunks(record, 64 * MIB, dest)
+    assert asked == [("vm1", 64 * MIB, 1.0)]
+    assert dest.agent.posts == [("/v1/split/hot", {"vm": "vm1", "chunks": [[4, 2]]})]
+    assert "the guest wrote 2 MiB in 1 s" in record.events[0]
+
+
+@pytest.mark.parametrize(
+    ("hot", "fail", "says"),
+    [
+        (lambda *a: None, None, "cannot say"),
+        (lambda *a: (_ for _ in ()).throw(OSError(5, "EIO")), None, "not sent"),
+        (lambda *a: [[0, 1]], exceptions.BackendError(backend="b", reason="gone"), "not sent"),
+    ],
+)
+def test_no_hint_leaves_the_migration_to_the_stream(hot, fail, says):
+    service, record = _source(hot)
+    dest = types.SimpleNamespace(agent=_DestAgent(fail))
+    service._hint_hot_chunks(record, 64 * MIB, dest)  # does not raise
+    assert dest.agent.posts == [] and says in record.events[0]
+
+
+def test_sampling_turned_off_samples_nothing():
+    service, record = _source(lambda *a: pytest.fail("sampled"), seconds=0.0)
+    service._hint_hot_chunks(record, 64 * MIB, types.SimpleNamespace(agent=_DestAgent()))
+    assert record.events == []
+
+
+def test_the_privileged_side_rechecks_and_skips_memory_without_writeback(monkeypatch, tmp_path):
+    privileged.agent_pctxt.set_client_mode(False)
+    try:
+        with pytest.raises(exceptions.InvalidInput):
+            privileged.guest_hot_chunks("../x", MIB, 1.0)
+        with pytest.raises(exceptions.InvalidInput):
+            privileged.guest_hot_chunks("vm1", 0, 1.0)
+        (tmp_path / "vm1.pid").write_text("123")
+        monkeypatch.setattr(privileged, "LIBVIRT_PID_DIR", tmp_path)
+        monkeypatch.setattr(privileged, "guest_ram_mapping", lambda pid, ram: ("/dev/shm/x", 0))
+        monkeypatch.setattr(privileged, "filesystem_of", lambda path: "tmpfs")
+        assert privileged.guest_hot_chunks("vm1", MIB, 1.0) is None
+    finally:
+        privileged.agent_pctxt.set_client_mode(True)
