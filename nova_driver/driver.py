@@ -317,6 +317,12 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             recover_method(context, instance, dest, migrate_data)
             return
         LOG.info("FlexMig chose %s:\n%s", plan.mode, plan.explain(), instance=instance)
+        if plan.mode == "split":
+            ram = instance.flavor.memory_mb * MIB
+            hinted = planning.hint_hot_chunks(
+                self._local_agent(), self._destination_agent(offer), instance.name, ram
+            )
+            LOG.info(hinted, instance=instance)
         self._record_event(context, instance, f"flexmig_{plan.mode}")
         self._flexmig_plans[instance.uuid] = plan
         if uri:

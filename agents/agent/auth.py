@@ -37,14 +37,15 @@ SCOPE_RE = re.compile(
 )
 # What a migration-scoped credential may read: liveness, host facts, the
 # fabric probe and split status.  The changes it may make: releasing its own
-# VM's split reservation, finishing its own migration's receiving movers, and
-# starting and finishing the fresh pairs a postcopy resume of that migration
-# needs (all checked against the body).
+# VM's split reservation, handing over its own VM's hot chunks, finishing its
+# own migration's receiving movers, and starting and finishing the fresh pairs
+# a postcopy resume of that migration needs (all checked against the body).
 SCOPED_READS = tuple(
     re.compile(p)
     for p in (r"^/v1/health$", r"^/v1/facts$", r"^/v1/probe/[0-9]{1,3}$", r"^/v1/split/[^/]+$")
 )
 SCOPED_RELEASE = "/v1/split/cleanup"
+SCOPED_HINT = "/v1/split/hot"
 SCOPED_MOVER_FINISH = "/v1/mover/finish"
 SCOPED_MOVER_RECEIVE = "/v1/mover/receive"
 MIN_KEY_BYTES = 16
@@ -161,8 +162,11 @@ class Verifier:
         if now > int(match.group("expires")):
             raise AuthError(reason=f"the credential for migration {match.group('id')} expired")
         read = method == "GET" and any(p.match(path) for p in SCOPED_READS)
-        own = _releases_own_vm(method, path, body, match.group("vm")) or _finishes_own_movers(
-            method, path, body, match.group("id")
+        vm = match.group("vm")
+        own = (
+            _releases_own_vm(method, path, body, vm)
+            or _hints_own_vm(method, path, body, vm)
+            or _finishes_own_movers(method, path, body, match.group("id"))
         )
         if not read and not own:
             raise AuthError(reason=f"a migration-scoped credential may not {method} {path}")
@@ -176,6 +180,17 @@ def _releases_own_vm(method: str, path: str, body: bytes, vm: str) -> bool:
         return json.loads(body) == {"vm": vm}
     except ValueError:
         return False
+
+
+def _hints_own_vm(method: str, path: str, body: bytes, vm: str) -> bool:
+    """The source's hot chunks for the scope's own VM (the agent checks the chunks)."""
+    if method != "POST" or path != SCOPED_HINT:
+        return False
+    try:
+        request = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(request, dict) and set(request) == {"vm", "chunks"} and request["vm"] == vm
 
 
 def mover_id(migration_id: str) -> str:

@@ -38,11 +38,12 @@ from collections.abc import Sequence
 
 from agents.agent import cachestat, residency
 from flexmig import exceptions
+from flexmig.migration.facts import NO_WRITEBACK_FILESYSTEMS
 
 MAX_INTERVAL_S = 10.0
 WRITEBACK_TIMEOUT_S = 30.0
 # Filesystems whose pages never become clean: every chunk would look hot.
-NO_WRITEBACK_FS = ("tmpfs", "hugetlbfs", "ramfs")
+NO_WRITEBACK_FS = NO_WRITEBACK_FILESYSTEMS
 MAX_RANGES = 1 << 16
 SYNC_ALL = 1 | 2 | 4  # sync_file_range: wait before, write, wait after
 

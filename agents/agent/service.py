@@ -93,6 +93,7 @@ class Agent:
         r.add("POST", "/v1/split/prepare", self.split_prepare)
         r.add("POST", "/v1/split/cleanup", self.split_cleanup)
         r.add("POST", "/v1/split/hot", self.split_hot)
+        r.add("POST", "/v1/split/sample-hot", self.split_sample_hot)
         r.add("GET", r"/v1/split/(?P<vm>[^/]+)", self.split_status)
         r.add("POST", "/v1/incoming/writeback", self.incoming_writeback)
         # Read-only: Nova's drain (nova_driver.drain) asks it too.
@@ -289,6 +290,20 @@ class Agent:
         runs = hot_chunks.check_ranges(body["chunks"], reservation["ram_bytes"])
         keeper.hint(hot_chunks.chunks_of(runs))
         return 200, {"vm": vm, "hinted_chunks": keeper.stats["hinted_chunks"]}
+
+    def split_sample_hot(
+        self, body: dict[str, Any], _m: re.Match[str]
+    ) -> tuple[int, dict[str, Any]]:
+        """On the source: which chunks a VM's guest writes now (hot_chunks.py),
+        for Nova's driver to hand to the destination; ``chunks`` is None where
+        the VM's memory cannot say, or sampling is off."""
+        api.check_fields(body, {"vm": str, "ram_bytes": int})
+        check_name(body["vm"])
+        seconds = self.conf.agent.split_hot_sample_seconds
+        runs = (
+            self.migrations.hot_chunks(body["vm"], body["ram_bytes"], seconds) if seconds else None
+        )
+        return 200, {"vm": body["vm"], "chunks": runs, "seconds": seconds}
 
     def _start_flusher(self, vm: str, lifetime_s: float | None = None) -> None:
         """Flush the VM's memory file in 1 MiB ranges once the incoming QEMU made it."""

@@ -30,6 +30,9 @@ SAMPLE_TIMEOUT_PAD_S = 10.0
 DIRTYRATE_MODE = libvirt.VIR_DOMAIN_DIRTYRATE_MODE_PAGE_SAMPLING
 # QEMU's memfd-backed RAM shows in smaps under this name: shared memory (shmem).
 MEMFD_PREFIX = "/memfd:"
+# Memory files whose pages are never written back: no map of what the guest
+# writes can be read from them (agents/agent/hot_chunks.py).
+NO_WRITEBACK_FILESYSTEMS = ("tmpfs", "hugetlbfs", "ramfs")
 
 # (vm name, RAM bytes) -> (backing file or None, resident bytes)
 RamMappingReader = Callable[[str, int], tuple[str | None, int]]

@@ -212,6 +212,9 @@ class KnobInputs:
     features: dict[str, str]  # feature_matrix()
     file_backed: bool
     split: bool = False  # the VM lands under a split budget
+    # The source can tell the destination which chunks the guest writes
+    # (agents/agent/hot_chunks.py): its memory file has writeback.
+    hot_hint: bool = True
 
     @property
     def link_bps(self) -> float:
@@ -307,16 +310,17 @@ parallel-postcopy (needs QEMU 10.1.0): a single stream')
     wanted = min(8, math.ceil(path / CHANNEL_BPS)) if path > CHANNEL_BPS else 1
     wanted = max(1, min(wanted, int(inp.idle_cpus)))
     if inp.file_backed and inp.transfer == "precopy" and wanted < FILE_BACKED_CHANNELS:
-        if inp.split:
-            # Measured in one interleaved run: over two channels split-50's and
-            # split-35's median guest downtime was 90 and 240 ms longer than over
-            # one (docs/benchmarks/split-parallel.md); in three such runs since,
-            # +59 to +329 ms over the enough case (the target: +50) at one budget
-            # or more, against -46 to +38 ms over one stream (split-channels-*.md,
-            # split-two-channels-current-qemu.md).
+        if inp.split and not inp.hot_hint:
+            # Without the source's map of what the guest writes, the keeper drops
+            # a rewritten set sent once before the final round, which then reads
+            # it back inside the downtime: over two channels, +59 to +329 ms over
+            # the enough case (the target: +50), against -46 to +38 ms over one
+            # stream (split-channels-*.md, split-two-channels-current-qemu.md).
+            # One stream's slower first round leaves a later round that shows it.
             return 1, (
-                "parallel: a single stream for a split VM: over two channels its "
-                "switchover took up to 240 ms longer under the budget"
+                "parallel: a single stream for a split VM whose memory file has no "
+                "writeback (no map of what its guest writes for the destination): over "
+                "two channels its switchover took up to 329 ms longer under the budget"
             )
         return _file_backed_channels(inp)
     if wanted == 1:

@@ -15,7 +15,7 @@ from typing import Any
 
 from flexmig import exceptions
 from flexmig.migration import downtime, knobs, writeback
-from flexmig.migration.facts import PAGE, GuestMemory, VmFacts
+from flexmig.migration.facts import NO_WRITEBACK_FILESYSTEMS, PAGE, GuestMemory, VmFacts
 from flexmig.migration.knobs import HostSoftware, Knobs
 from flexmig.migration.options import EngineOptions
 from flexmig.migration.request import MigrationRequest
@@ -404,6 +404,7 @@ def plan(
             features=features,
             file_backed=mem.file_backed,
             split=decision.mode == "split",
+            hot_hint=mem.backing_fs not in NO_WRITEBACK_FILESYSTEMS,
         )
     )
     forecast = guest_downtime(request, vm, dest, link, decision, bandwidth, chosen)

@@ -12,6 +12,7 @@ import pytest
 from agents.agent import cachestat, hot_chunks, migrations, privileged, residency, split_store
 from agents.agent.service import Agent
 from flexmig import exceptions
+from nova_driver import planning
 from tests.unit.test_agent_hardening import agent_conf
 
 MIB = 1 << 20
@@ -193,3 +194,40 @@ def test_the_privileged_side_rechecks_and_skips_memory_without_writeback(monkeyp
         assert privileged.guest_hot_chunks("vm1", MIB, 1.0) is None
     finally:
         privileged.agent_pctxt.set_client_mode(True)
+
+
+def test_the_source_agent_samples_for_novas_driver(tmp_path):
+    agent = Agent(agent_conf(tmp_path, split_hot_sample_seconds=0.5))
+    agent.migrations.hot_chunks = (
+        lambda vm, ram, s: [[1, 2]] if (vm, ram, s) == ("vm1", MIB, 0.5) else None
+    )
+    code, body = agent.split_sample_hot({"vm": "vm1", "ram_bytes": MIB}, None)
+    assert (code, body["chunks"]) == (200, [[1, 2]])
+    with pytest.raises(exceptions.InvalidInput):
+        agent.split_sample_hot({"vm": "../vm1", "ram_bytes": MIB}, None)
+
+
+def test_novas_driver_hands_the_sample_to_the_destination():
+    local = types.SimpleNamespace(post=lambda path, body: {"chunks": [[3, 5]], "seconds": 1.0})
+    dest = _DestAgent()
+    said = planning.hint_hot_chunks(local, dest, "vm1", 64 * MIB)  # type: ignore[arg-type]
+    assert dest.posts == [("/v1/split/hot", {"vm": "vm1", "chunks": [[3, 5]]})]
+    assert "5 MiB" in said
+
+
+@pytest.mark.parametrize(
+    ("answer", "fail", "says"),
+    [
+        ({"chunks": None, "seconds": 0.0}, None, "no hot chunks"),
+        (
+            {"chunks": [[0, 1]], "seconds": 1.0},
+            exceptions.BackendError(backend="b", reason="x"),
+            "not sent",
+        ),
+    ],
+)
+def test_novas_driver_migrates_on_without_a_hint(answer, fail, says):
+    local = types.SimpleNamespace(post=lambda path, body: answer)
+    dest = _DestAgent(fail)
+    assert says in planning.hint_hot_chunks(local, dest, "vm1", 64 * MIB)  # type: ignore[arg-type]
+    assert dest.posts == []

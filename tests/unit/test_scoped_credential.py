@@ -28,10 +28,18 @@ def test_releasing_its_own_vm_is_allowed() -> None:
     _verify("POST", "/v1/split/cleanup", json.dumps({"vm": "instance-00000001"}).encode())
 
 
+def test_handing_over_its_own_vms_hot_chunks_is_allowed() -> None:
+    body = {"vm": "instance-00000001", "chunks": [[0, 4]]}
+    _verify("POST", "/v1/split/hot", json.dumps(body).encode())
+
+
 @pytest.mark.parametrize(
     ("method", "path", "body"),
     [
         ("POST", "/v1/split/cleanup", {"vm": "instance-00000002"}),
+        ("POST", "/v1/split/hot", {"vm": "instance-00000002", "chunks": []}),
+        ("POST", "/v1/split/hot", {"vm": "instance-00000001", "chunks": [], "x": 1}),
+        ("POST", "/v1/split/sample-hot", {"vm": "instance-00000001", "ram_bytes": 1}),
         (
             "POST",
             "/v1/split/prepare",
