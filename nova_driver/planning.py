@@ -277,7 +277,7 @@ def hint_hot_chunks(
         answer = local_agent.post("/v1/split/sample-hot", {"vm": vm, "ram_bytes": ram_bytes})
         runs = answer.get("chunks")
         if runs is None:
-            return "FlexMig: no hot chunks for the destination (sampling off, or no writeback)"
+            return f"FlexMig: no hot chunks for the destination: {answer.get('why')}"
         dest_agent.post("/v1/split/hot", {"vm": vm, "chunks": runs})
     except exceptions.FlexMigError as exc:
         return f"FlexMig: hot chunks not sent, the destination goes by the stream: {exc}"

@@ -77,6 +77,8 @@ def test_short_destination_goes_by_split_and_caps_residency(lab):
         result = migrate_cli.migrate(lab, "big", "B", show=False)
         _assert_intact(result, "B")
         assert result["mode"] == "split"
+        # The source told B's keeper which chunks the guest writes (hot_chunks.py).
+        assert lab.agent("B").get("/v1/split/big")["residency"]["hinted_chunks"] > 0
         group = CGROUP_ROOT / "lab-b" / "big"
         limit = int((group / "memory.limit_in_bytes").read_text())
         assert limit <= (400 - 160) * 2**20

@@ -205,6 +205,16 @@ def test_the_source_agent_samples_for_novas_driver(tmp_path):
     assert (code, body["chunks"]) == (200, [[1, 2]])
     with pytest.raises(exceptions.InvalidInput):
         agent.split_sample_hot({"vm": "../vm1", "ram_bytes": MIB}, None)
+    # A VM not running here: no chunks, and why, not an error.
+    agent.migrations.hot_chunks = lambda *a: (_ for _ in ()).throw(FileNotFoundError(2, "gone"))
+    assert agent.split_sample_hot({"vm": "vm2", "ram_bytes": MIB}, None)[1]["chunks"] is None
+
+
+def test_the_source_agent_samples_nothing_when_sampling_is_off(tmp_path):
+    agent = Agent(agent_conf(tmp_path, split_hot_sample_seconds=0))
+    agent.migrations.hot_chunks = lambda *a: pytest.fail("sampled")
+    body = agent.split_sample_hot({"vm": "vm1", "ram_bytes": MIB}, None)[1]
+    assert (body["chunks"], body["why"]) == (None, "sampling is off")
 
 
 def test_novas_driver_hands_the_sample_to_the_destination():
@@ -218,7 +228,7 @@ def test_novas_driver_hands_the_sample_to_the_destination():
 @pytest.mark.parametrize(
     ("answer", "fail", "says"),
     [
-        ({"chunks": None, "seconds": 0.0}, None, "no hot chunks"),
+        ({"chunks": None, "why": "sampling is off"}, None, "no hot chunks"),
         (
             {"chunks": [[0, 1]], "seconds": 1.0},
             exceptions.BackendError(backend="b", reason="x"),
