@@ -41,7 +41,10 @@ from flexmig import exceptions
 from flexmig.migration.facts import NO_WRITEBACK_FILESYSTEMS
 
 MAX_INTERVAL_S = 10.0
-WRITEBACK_TIMEOUT_S = 30.0
+# How long the writeback before the sample may hold the migration's start (a
+# VM with much memory never written back gets no map rather than a late start;
+# under Nova's default 10 s [flexmig] agent_timeout with the interval).
+WRITEBACK_TIMEOUT_S = 5.0
 # Filesystems whose pages never become clean: every chunk would look hot.
 NO_WRITEBACK_FS = NO_WRITEBACK_FILESYSTEMS
 MAX_RANGES = 1 << 16
