@@ -2,14 +2,13 @@
 
 The destination's keeper (residency.py) ranks what it may drop by what the
 migration stream shows it: a chunk the source sends again in a later round
-is one the guest rewrites.  That evidence needs a later round.  A guest
-whose rewritten set is small and slow enough (the lab's hot-set guest: 64 MiB
-rewritten at 2,000 pages/s, 28 MiB dirty after the first round) has none:
-QEMU sends it inside the downtime limit right after the first round, so the
-keeper saw it written once, dropped it as old and cold, and the final round
-read it back from the store inside the downtime (split-35, two channels: 96-158
-MiB read back between the source's stop and the resume, QEMU's downtime
-136-216 ms; docs/benchmarks/README.md).
+is one the guest rewrites.  That evidence comes late: the keeper must make
+room while the first round still fills the budget, before any chunk was sent
+twice.  The lab's hot-set guest (64 MiB rewritten at 2,000 pages/s) had its
+hot chunks, sent early in the first round and aged the longest, dropped as
+written once, and the final round read them back from the store inside the
+downtime (split-35, two channels: 96-158 MiB read back between the source's
+stop and the resume, QEMU's downtime 136-216 ms; docs/benchmarks/README.md).
 
 The source has the evidence the destination lacks: a split VM's memory is a
 file (split needs it), and the guest's writes mark that file's pages dirty

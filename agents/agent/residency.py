@@ -247,11 +247,10 @@ def drop_order(
 
     ``hinted`` chunks rank with the rewritten set from the start: the
     chunks the source saw the guest write just before the migration
-    (hot_chunks.py).  A guest whose rewritten set the source sends within
-    the downtime limit after the first round has no later round for the
-    keeper to see, and the final round rewrites it: at split-35 the lab's
-    hot-set guest had its 66 hot chunks dropped as written once, and the
-    final round read them back inside the downtime.  An 8-bit age
+    (hot_chunks.py).  The keeper makes room during the first round, before
+    any chunk was sent twice: at split-35 the lab's hot-set guest had its
+    66 hot chunks dropped as written once, and the final round read them
+    back inside the downtime.  An 8-bit age
     forgets in eight intervals (0.8 s): ordered by age alone the keeper
     dropped the guest's kernel and working set while 228 MiB of zero pages
     stayed resident (tests/bench/split_trace.py at budgets 50% and 35%).

@@ -312,11 +312,11 @@ parallel-postcopy (needs QEMU 10.1.0): a single stream')
     if inp.file_backed and inp.transfer == "precopy" and wanted < FILE_BACKED_CHANNELS:
         if inp.split and not inp.hot_hint:
             # Without the source's map of what the guest writes, the keeper drops
-            # a rewritten set sent once before the final round, which then reads
-            # it back inside the downtime: over two channels, +59 to +329 ms over
-            # the enough case (the target: +50), against -46 to +38 ms over one
-            # stream (split-channels-*.md, split-two-channels-current-qemu.md).
-            # One stream's slower first round leaves a later round that shows it.
+            # the rewritten set while the first round fills the budget, and the
+            # final round reads it back inside the downtime: over two channels,
+            # +59 to +329 ms over the enough case (the target: +50), against -46
+            # to +38 ms over one stream (split-channels-*.md,
+            # split-two-channels-current-qemu.md).
             return 1, (
                 "parallel: a single stream for a split VM whose memory file has no "
                 "writeback (no map of what its guest writes for the destination): over "
