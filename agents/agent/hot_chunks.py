@@ -29,7 +29,6 @@ anyway, residency.py).
 
 from __future__ import annotations
 
-import ctypes
 import os
 import threading
 import time
@@ -47,10 +46,12 @@ WRITEBACK_TIMEOUT_S = 5.0
 # Filesystems whose pages never become clean: every chunk would look hot.
 NO_WRITEBACK_FS = NO_WRITEBACK_FILESYSTEMS
 MAX_RANGES = 1 << 16
-SYNC_ALL = 1 | 2 | 4  # sync_file_range: wait before, write, wait after
-
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
+# sync_file_range: every page dirty now written, and waited for.
+SYNC_ALL = (
+    residency.SYNC_FILE_RANGE_WAIT_BEFORE
+    | residency.SYNC_FILE_RANGE_WRITE
+    | residency.SYNC_FILE_RANGE_WAIT_AFTER
+)
 
 
 def check_ranges(ranges: object, ram_bytes: int) -> list[tuple[int, int]]:
@@ -122,12 +123,13 @@ def _write_back(fd: int, timeout_s: float) -> None:
     migration (the thread finishes on its own and closes what it holds).
     """
     own = os.dup(fd)
-    errors: list[int] = []
+    errors: list[OSError] = []
 
     def sync() -> None:
         try:
-            if _LIBC.sync_file_range(own, 0, 0, SYNC_ALL):
-                errors.append(ctypes.get_errno())
+            residency.sync_file_range(own, 0, 0, SYNC_ALL)
+        except OSError as exc:
+            errors.append(exc)
         finally:
             os.close(own)
 
@@ -137,4 +139,4 @@ def _write_back(fd: int, timeout_s: float) -> None:
     if worker.is_alive():
         raise exceptions.Timeout(seconds=timeout_s, what="the VM's memory file to be written back")
     if errors:
-        raise OSError(errors[0], f"sync_file_range: {os.strerror(errors[0])}")
+        raise errors[0]

@@ -87,6 +87,13 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 
 
+def sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> None:
+    """sync_file_range(2), which Python's os lacks; OSError with its errno."""
+    if _LIBC.sync_file_range(fd, offset, nbytes, flags):
+        err = ctypes.get_errno()
+        raise OSError(err, f"sync_file_range: {os.strerror(err)}")
+
+
 class _IoVec(ctypes.Structure):
     _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
 
@@ -377,9 +384,7 @@ class GuestRam:
         if wait:
             flags |= SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WAIT_AFTER
         for first, count in ranges(chunks):
-            if _LIBC.sync_file_range(fd, first * CHUNK_BYTES, count * CHUNK_BYTES, flags):
-                err = ctypes.get_errno()
-                raise OSError(err, f"sync_file_range: {os.strerror(err)}")
+            sync_file_range(fd, first * CHUNK_BYTES, count * CHUNK_BYTES, flags)
 
     def forget(self, fd: int, chunks: Iterable[int]) -> None:
         """Drop the chunks' clean pages QEMU does not map (readahead) from the page cache.

@@ -21,7 +21,6 @@ Sequence for an incoming split VM:
 from __future__ import annotations
 
 import collections
-import ctypes
 import dataclasses
 import json
 import logging
@@ -37,9 +36,6 @@ from agents.agent import cachestat, memcg, residency
 from flexmig import exceptions
 
 LOG = logging.getLogger(__name__)
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
-SYNC_FILE_RANGE_WRITE = 2  # start writeback of dirty pages, do not wait
 CHUNK_BYTES = 1 << 20
 FLUSH_INTERVAL_S = 0.2
 MIN_BUDGET_BYTES = 64 << 20
@@ -166,10 +162,8 @@ def default_headroom(budget_bytes: int) -> int:
 
 
 def start_writeback(fd: int, offset: int, nbytes: int) -> None:
-    """Start writing a file range back without waiting (Python's os lacks sync_file_range)."""
-    if _LIBC.sync_file_range(fd, offset, nbytes, SYNC_FILE_RANGE_WRITE) != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"sync_file_range: {os.strerror(err)}")
+    """Start writing a file range back without waiting."""
+    residency.sync_file_range(fd, offset, nbytes, residency.SYNC_FILE_RANGE_WRITE)
 
 
 class ChunkFlusher(threading.Thread):
