@@ -36,15 +36,12 @@ from collections.abc import Sequence
 
 from agents.agent import cachestat, residency
 from flexmig import exceptions
-from flexmig.migration.facts import NO_WRITEBACK_FILESYSTEMS
 
 MAX_INTERVAL_S = 10.0
 # How long the writeback before the sample may hold the migration's start (a
 # VM with much memory never written back gets no map rather than a late start;
 # under Nova's default 10 s [flexmig] agent_timeout with the interval).
 WRITEBACK_TIMEOUT_S = 5.0
-# Filesystems whose pages never become clean: every chunk would look hot.
-NO_WRITEBACK_FS = NO_WRITEBACK_FILESYSTEMS
 MAX_RANGES = 1 << 16
 # sync_file_range: every page dirty now written, and waited for.
 SYNC_ALL = (
@@ -65,7 +62,7 @@ def check_ranges(ranges: object, ram_bytes: int) -> list[tuple[int, int]]:
     flexmig.exceptions.InvalidInput: Invalid hot chunks: [15, 2] is not a run of chunks \
 inside the VM's 16 (first >= 0, count >= 1)
     """
-    chunks = (ram_bytes + residency.CHUNK_BYTES - 1) // residency.CHUNK_BYTES
+    chunks = residency.chunks_in(ram_bytes)
     if not isinstance(ranges, list) or len(ranges) > MAX_RANGES:
         raise exceptions.InvalidInput(
             what="hot chunks", reason=f"expected a list of at most {MAX_RANGES} [first, count]"
@@ -108,7 +105,7 @@ def written_chunks(
             return None
         _write_back(fd, timeout_s)
         time.sleep(interval_s)
-        chunks = (ram_bytes + residency.CHUNK_BYTES - 1) // residency.CHUNK_BYTES
+        chunks = residency.chunks_in(ram_bytes)
         _cached, dirty = cachestat.chunk_pages(fd, chunks, residency.CHUNK_BYTES)
     finally:
         os.close(fd)

@@ -20,7 +20,7 @@ from oslo_privsep import priv_context
 
 from agents.agent import hot_chunks, memcg
 from flexmig import exceptions
-from flexmig.migration.facts import filesystem_of, guest_ram_mapping
+from flexmig.migration.facts import NO_WRITEBACK_FILESYSTEMS, filesystem_of, guest_ram_mapping
 
 LIBVIRT_PID_DIR = Path("/run/libvirt/qemu")
 MAX_RAM_BYTES = 1 << 42
@@ -66,7 +66,7 @@ def guest_hot_chunks(vm: str, ram_bytes: int, interval_s: float) -> list[list[in
         raise exceptions.InvalidInput(what="RAM size", reason=str(ram_bytes))
     pid = int((LIBVIRT_PID_DIR / f"{vm}.pid").read_text(encoding="ascii"))
     path, _resident = guest_ram_mapping(pid, ram_bytes)
-    if path is None or filesystem_of(path) in hot_chunks.NO_WRITEBACK_FS:
+    if path is None or filesystem_of(path) in NO_WRITEBACK_FILESYSTEMS:
         return None
     runs = hot_chunks.written_chunks(path, ram_bytes, interval_s)
     return None if runs is None else [[first, count] for first, count in runs]

@@ -87,6 +87,15 @@ _LIBC = ctypes.CDLL(None, use_errno=True)
 _LIBC.sync_file_range.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
 
 
+def chunks_in(size_bytes: int) -> int:
+    """1 MiB chunks covering ``size_bytes``.
+
+    >>> chunks_in(1 << 20), chunks_in((1 << 20) + 1)
+    (1, 2)
+    """
+    return (size_bytes + CHUNK_BYTES - 1) // CHUNK_BYTES
+
+
 def sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> None:
     """sync_file_range(2), which Python's os lacks; OSError with its errno."""
     if _LIBC.sync_file_range(fd, offset, nbytes, flags):
@@ -354,7 +363,7 @@ class GuestRam:
 
     @property
     def chunks(self) -> int:
-        return (self.size + CHUNK_BYTES - 1) // CHUNK_BYTES
+        return chunks_in(self.size)
 
     def scan(self, pagemap_fd: int, kpageflags_fd: int | None) -> ChunkScan:
         """Resident pages per chunk; dirty chunks by sampled page flags (None: not sampled,
