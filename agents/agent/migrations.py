@@ -422,28 +422,45 @@ class MigrationService:
             self._request_writeback(record, dest)
         return record.request.store_writeback
 
+    def sample_hot_chunks(self, vm: str, ram_bytes: int) -> tuple[list[list[int]] | None, str]:
+        """Which chunks the guest writes now, as runs, or None and why not.
+
+        Both the agent's own flow and Nova's driver (through the source's
+        ``/v1/split/sample-hot``) ask here, so they say the same things.
+        """
+        seconds = self.conf.agent.split_hot_sample_seconds
+        if not seconds:
+            return None, "sampling is off"
+        try:
+            runs = self.hot_chunks(vm, ram_bytes, seconds)
+        except OSError as exc:  # the VM is not running here, its file is gone
+            return None, str(exc)
+        if runs is None:
+            return None, "its memory file has no writeback"
+        return runs, ""
+
     def _hint_hot_chunks(self, record: MigrationRecord, ram_bytes: int, dest: Destination) -> None:
         """Tell the destination's keeper which chunks the guest writes now.
 
         A hint that cannot be had costs nothing but the hint: the keeper then
         goes by what the stream sends again, as before (the event says why).
         """
-        seconds = self.conf.agent.split_hot_sample_seconds
-        if not seconds:
+        if not self.conf.agent.split_hot_sample_seconds:
             return
         started = time.monotonic()
-        try:
-            runs = self.hot_chunks(record.vm, ram_bytes, seconds)
-            if runs is None:
-                record.event("hot chunks: the VM's memory file cannot say (no writeback)")
-                return
-            dest.agent.post("/v1/split/hot", {"vm": record.vm, "chunks": runs})
-        except (OSError, exceptions.FlexMigError) as exc:
-            record.event(f"hot chunks: not sent, the keeper goes by the stream: {exc}")
+        runs, why = self.sample_hot_chunks(record.vm, ram_bytes)
+        if runs is not None:
+            try:
+                dest.agent.post("/v1/split/hot", {"vm": record.vm, "chunks": runs})
+            except exceptions.FlexMigError as exc:
+                runs, why = None, str(exc)
+        if runs is None:
+            record.event(f"hot chunks: not sent, the keeper goes by the stream: {why}")
             return
         mib = sum(count for _first, count in runs) * residency.CHUNK_BYTES >> 20
         record.event(
-            f"hot chunks: the guest wrote {mib} MiB in {seconds:g} s; the destination "
+            f"hot chunks: the guest wrote {mib} MiB in "
+            f"{self.conf.agent.split_hot_sample_seconds:g} s; the destination "
             f"keeps them resident ({time.monotonic() - started:.1f} s to sample)"
         )
 

@@ -299,15 +299,13 @@ class Agent:
         the VM's memory cannot say, or sampling is off."""
         api.check_fields(body, {"vm": str, "ram_bytes": int})
         check_name(body["vm"])
-        seconds = self.conf.agent.split_hot_sample_seconds
-        if not seconds:
-            return 200, {"vm": body["vm"], "chunks": None, "why": "sampling is off"}
-        try:
-            runs = self.migrations.hot_chunks(body["vm"], body["ram_bytes"], seconds)
-        except OSError as exc:  # the VM is not running here, its file is gone
-            return 200, {"vm": body["vm"], "chunks": None, "why": str(exc)}
-        why = "its memory file has no writeback" if runs is None else None
-        return 200, {"vm": body["vm"], "chunks": runs, "seconds": seconds, "why": why}
+        runs, why = self.migrations.sample_hot_chunks(body["vm"], body["ram_bytes"])
+        return 200, {
+            "vm": body["vm"],
+            "chunks": runs,
+            "seconds": self.conf.agent.split_hot_sample_seconds,
+            "why": why or None,
+        }
 
     def _start_flusher(self, vm: str, lifetime_s: float | None = None) -> None:
         """Flush the VM's memory file in 1 MiB ranges once the incoming QEMU made it."""

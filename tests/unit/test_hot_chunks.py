@@ -160,7 +160,7 @@ def test_the_source_sends_what_it_sampled():
 @pytest.mark.parametrize(
     ("hot", "fail", "says"),
     [
-        (lambda *a: None, None, "cannot say"),
+        (lambda *a: None, None, "has no writeback"),
         (lambda *a: (_ for _ in ()).throw(OSError(5, "EIO")), None, "not sent"),
         (lambda *a: [[0, 1]], exceptions.BackendError(backend="b", reason="gone"), "not sent"),
     ],
