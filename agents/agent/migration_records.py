@@ -96,6 +96,9 @@ class MigrationRecord:
         return self.plan_fields()["mode"]
 
     def event(self, text: str) -> None:
+        # Also in the agent's log: the record keeps the last MAX_EVENTS and goes
+        # with the agent's state, the log is what an operator's collector keeps.
+        LOG.info("migration %s of %s: %s", self.id, self.vm, text)
         self.events.append((time.time(), text))
         del self.events[:-MAX_EVENTS]
 
