@@ -40,7 +40,7 @@ from nova.compute import utils as compute_utils
 from nova.virt.libvirt import driver as libvirt_driver
 from oslo_log import log as logging
 
-from agents.agent import auth
+from agents.agent import auth, hot_chunks
 from agents.agent.client import AgentClient
 from flexmig import exceptions
 from flexmig.migration import knobs
@@ -307,6 +307,7 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
                 context, instance, dest, post_method, recover_method, block_migration, migrate_data
             )
             return
+        hint = self._hint_while_planning(instance, offer)
         try:
             plan = self._plan(instance, offer)
             offer = self._drop_unused_receivers(instance, offer, plan, migrate_data)
@@ -317,12 +318,9 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
             recover_method(context, instance, dest, migrate_data)
             return
         LOG.info("FlexMig chose %s:\n%s", plan.mode, plan.explain(), instance=instance)
-        if plan.mode == "split":
-            ram = instance.flavor.memory_mb * MIB
-            hinted = planning.hint_hot_chunks(
-                self._local_agent(), self._destination_agent(offer), instance.name, ram
-            )
-            LOG.info(hinted, instance=instance)
+        if plan.mode == "split" and hint is not None:
+            # Before the job starts: the keeper must have it for its first drop.
+            LOG.info(hint.answer(2 * CONF.flexmig.agent_timeout), instance=instance)
         self._record_event(context, instance, f"flexmig_{plan.mode}")
         self._flexmig_plans[instance.uuid] = plan
         if uri:
@@ -354,6 +352,26 @@ class FlexMigLibvirtDriver(libvirt_driver.LibvirtDriver):
         except Exception as exc:  # noqa: BLE001 - the error below must reach Nova regardless
             LOG.warning("FlexMig: could not record the instance fault: %s", exc)
         raise error
+
+    def _hint_while_planning(
+        self, instance: Any, offer: DestinationOffer
+    ) -> hot_chunks.SampleAhead[str] | None:
+        """A split VM's hot-chunk sample and hint, taken beside the plan's
+        dirty-rate samples rather than ahead of the job (agents/agent/hot_chunks.py).
+
+        Split needs the destination's reservation, so only an offer with a
+        budget starts one; a plan that is then refused leaves a hint the
+        released reservation ignores.
+        """
+        if offer.split_budget_bytes is None:
+            return None
+        local, dest = self._local_agent(), self._destination_agent(offer)
+        ram = instance.flavor.memory_mb * MIB
+        return hot_chunks.SampleAhead(
+            lambda: planning.hint_hot_chunks(local, dest, instance.name, ram),
+            planning.no_hint,
+            f"hot-{instance.name}",
+        )
 
     def _plan(self, instance: Any, offer: DestinationOffer) -> Plan:
         guest = self._host.get_guest(instance)

@@ -265,6 +265,11 @@ def destination_vfs(vifs: Any) -> dict[str, str]:
     return found
 
 
+def no_hint(why: str) -> str:
+    """What the log says of a hint that was not sent."""
+    return f"FlexMig: hot chunks not sent, the destination goes by the stream: {why}"
+
+
 def hint_hot_chunks(
     local_agent: AgentClient, dest_agent: AgentClient, vm: str, ram_bytes: int
 ) -> str:
@@ -280,6 +285,6 @@ def hint_hot_chunks(
             return f"FlexMig: no hot chunks for the destination: {answer.get('why')}"
         dest_agent.post("/v1/split/hot", {"vm": vm, "chunks": runs})
     except exceptions.FlexMigError as exc:
-        return f"FlexMig: hot chunks not sent, the destination goes by the stream: {exc}"
+        return no_hint(str(exc))
     mib = sum(count for _first, count in runs)
     return f"FlexMig: the guest wrote {mib} MiB in {answer.get('seconds')} s; kept resident there"

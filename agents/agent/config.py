@@ -172,12 +172,14 @@ agent_opts = [
         default=1.0,
         min=0.0,
         max=10.0,
-        help="Before a split migration this agent drives, how long to watch which "
-        "1 MiB chunks of the VM's memory file the guest writes (after writing the "
-        "file back), so the destination keeps them resident from the first round "
-        "(agents/agent/hot_chunks.py). Delays the migration's start by this much "
-        "plus the writeback. 0 turns it off: the destination then goes by what "
-        "the migration stream sends again.",
+        help="Before a split migration, how long to watch which 1 MiB chunks of "
+        "the VM's memory file the guest writes (after writing the file back), so "
+        "the destination keeps them resident from the first round "
+        "(agents/agent/hot_chunks.py). A migration this agent drives samples while "
+        "it is planned (beside the dirty-rate samples), whenever split may be "
+        "chosen (mode split or auto); one Nova drives samples before the job "
+        "starts, delaying it by this much plus the writeback. 0 turns it off: the "
+        "destination then goes by what the migration stream sends again.",
     ),
     cfg.IntOpt(
         "reconcile_timeout",

@@ -29,14 +29,17 @@ anyway, residency.py).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
 
 from agents.agent import cachestat, residency
 from flexmig import exceptions
 
+LOG = logging.getLogger("flexmig.agent.hot_chunks")
 MAX_INTERVAL_S = 10.0
 # How long the writeback before the sample may hold the migration's start (a
 # VM with much memory never written back gets no map rather than a late start;
@@ -137,3 +140,46 @@ def _write_back(fd: int, timeout_s: float) -> None:
         raise exceptions.Timeout(seconds=timeout_s, what="the VM's memory file to be written back")
     if errors:
         raise errors[0]
+
+
+HotAnswer = tuple[list[list[int]] | None, str]  # runs, or None and why not
+# What the answer may wait beyond the writeback and the interval: privsep's
+# round trip, the cachestat calls and the hint's post.
+ANSWER_SLACK_S = 5.0
+T = TypeVar("T")
+
+
+class SampleAhead(Generic[T]):
+    """A hot-chunk sample taken in a thread of its own while the migration is
+    planned, so that its interval (1 s by default, plus the writeback) hides
+    behind the plan's dirty-rate samples instead of delaying the job's start.
+
+    Its answer is still awaited before the job starts: the keeper must have
+    the hint before its first drop (in the first round), which is what it is
+    for.  ``failed`` makes the answer of a sample that raised or is late.
+    """
+
+    def __init__(self, sample: Callable[[], T], failed: Callable[[str], T], name: str) -> None:
+        self._failed = failed
+        self._answer = failed("not sampled")
+        self._done = threading.Event()
+        threading.Thread(target=self._take, args=(sample,), name=name, daemon=True).start()
+
+    def _take(self, sample: Callable[[], T]) -> None:
+        try:
+            self._answer = sample()
+        except Exception as exc:  # a bug here costs the hint, never the migration
+            LOG.exception("the hot-chunk sample failed")
+            self._answer = self._failed(f"the sample failed: {exc!r}")
+        finally:
+            self._done.set()
+
+    def answer(self, timeout_s: float) -> T:
+        """The sample's answer, waiting at most ``timeout_s`` for it."""
+        if not self._done.wait(timeout_s):
+            return self._failed(f"the sample did not end within {timeout_s:g} s")
+        return self._answer
+
+
+def no_runs(why: str) -> HotAnswer:
+    return None, why

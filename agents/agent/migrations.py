@@ -21,7 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agents.agent import inventory, movers, privileged, residency
+from agents.agent import hot_chunks, inventory, movers, privileged, residency
 from agents.agent.client import AgentClient
 from agents.agent.migration_records import (
     ACTIVE,
@@ -188,6 +188,8 @@ class MigrationService:
         self.hot_chunks: Callable[[str, int, float], list[list[int]] | None] = (
             privileged.guest_hot_chunks
         )
+        # Hot-chunk samples taken while their migrations are planned, by migration id.
+        self.hot_ahead: dict[str, hot_chunks.SampleAhead[hot_chunks.HotAnswer]] = {}
         self.rdma = movers.rdma_provider_present()
         # Samples a drain's inventory just took: its migrations decide on them.
         self.samples = inventory.SampleCache()
@@ -208,12 +210,22 @@ class MigrationService:
         tmp.replace(self.links_file)
 
     # -- planning -------------------------------------------------------------
-    def plan(self, request: MigrationRequest, dest: Destination) -> Plan:
+    def plan(
+        self,
+        request: MigrationRequest,
+        dest: Destination,
+        on_ram_bytes: Callable[[int], None] | None = None,
+    ) -> Plan:
+        """The migration's plan; ``on_ram_bytes`` hears the VM's RAM size as
+        soon as it is known, before the dirty-rate samples."""
         with hypervisor.connect(self.conf.agent.libvirt_uri, self.host) as conn:
             with hypervisor.wrap_errors(self.host, f"find {request.vm}"):
                 dom = hypervisor.find_domain(conn, request.vm)
             if dom is None:
                 raise exceptions.InvalidInput(what="VM", reason=f"{request.vm!r} is not here")
+            if on_ram_bytes is not None:
+                with hypervisor.wrap_errors(self.host, f"read {request.vm}'s RAM size"):
+                    on_ram_bytes(dom.maxMemory() * 1024)
             vm = facts.read_vm(
                 conn,
                 dom,
@@ -317,7 +329,7 @@ class MigrationService:
     def _run(self, record: MigrationRecord, dest: Destination) -> None:
         try:
             record.event("sampling the dirty rate and asking the destination for its facts")
-            record.plan = self.plan(record.request, dest)
+            record.plan = self.plan(record.request, dest, self._hot_sampler(record))
             record.event(f"decided: {record.plan.mode}")
             record.state = "running"
             self.store.save(record)
@@ -331,6 +343,7 @@ class MigrationService:
             record.state, record.error = "failed", str(error)
             record.event(record.error)
         finally:
+            self.hot_ahead.pop(record.id, None)
             record.ended = time.time() if record.state not in ACTIVE else None
             self.store.save(record)
             self._forget_old_records()
@@ -433,7 +446,7 @@ class MigrationService:
             return None, "sampling is off"
         try:
             runs = self.hot_chunks(vm, ram_bytes, seconds)
-        except OSError as exc:  # the VM is not running here, its file is gone
+        except (OSError, exceptions.FlexMigError) as exc:  # the VM or its file is gone
             return None, str(exc)
         if runs is None:
             return None, "its memory file has no writeback"
@@ -445,10 +458,17 @@ class MigrationService:
         A hint that cannot be had costs nothing but the hint: the keeper then
         goes by what the stream sends again, as before (the event says why).
         """
-        if not self.conf.agent.split_hot_sample_seconds:
+        seconds = self.conf.agent.split_hot_sample_seconds
+        if not seconds:
             return
         started = time.monotonic()
-        runs, why = self.sample_hot_chunks(record.vm, ram_bytes)
+        ahead = self.hot_ahead.pop(record.id, None)
+        if ahead is None:
+            runs, why = self.sample_hot_chunks(record.vm, ram_bytes)
+        else:
+            runs, why = ahead.answer(
+                hot_chunks.WRITEBACK_TIMEOUT_S + seconds + hot_chunks.ANSWER_SLACK_S
+            )
         if runs is not None:
             try:
                 dest.agent.post("/v1/split/hot", {"vm": record.vm, "chunks": runs})
@@ -458,11 +478,29 @@ class MigrationService:
             record.event(f"hot chunks: not sent, the keeper goes by the stream: {why}")
             return
         mib = sum(count for _first, count in runs) * residency.CHUNK_BYTES >> 20
+        waited = time.monotonic() - started
+        when = "sampled while planning" if ahead is not None else "sampled now"
         record.event(
-            f"hot chunks: the guest wrote {mib} MiB in "
-            f"{self.conf.agent.split_hot_sample_seconds:g} s; the destination "
-            f"keeps them resident ({time.monotonic() - started:.1f} s to sample)"
+            f"hot chunks: the guest wrote {mib} MiB in {seconds:g} s; the destination "
+            f"keeps them resident ({when}; the job waited {waited:.1f} s for it)"
         )
+
+    def _hot_sampler(self, record: MigrationRecord) -> Callable[[int], None] | None:
+        """What starts the hot-chunk sample once the plan knows the VM's RAM,
+        where the migration may end up split (asked for, or left to the plan)."""
+        if record.request.mode not in ("split", "auto"):
+            return None
+        if not self.conf.agent.split_hot_sample_seconds:
+            return None
+
+        def start(ram_bytes: int) -> None:
+            self.hot_ahead[record.id] = hot_chunks.SampleAhead(
+                lambda: self.sample_hot_chunks(record.vm, ram_bytes),
+                hot_chunks.no_runs,
+                f"hot-{record.id}",
+            )
+
+        return start
 
     def _run_job(
         self,

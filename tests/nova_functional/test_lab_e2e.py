@@ -278,6 +278,11 @@ class TestNovaMovesRealGuest(
         self.assertLessEqual(int((group / "memory.max_usage_in_bytes").read_text()), limit)
         # 300 MiB of verified working set lives on a host capped below it.
         self.assertGreater(seen["verify"]["pages"] * 4096, limit)
+        # The source sampled the guest's hot chunks while the plan was made and
+        # handed them to B's keeper before the job (nova_driver.driver).
+        self.assertRegex(
+            self.stdlog.logger.output, r"FlexMig: the guest wrote \d+ MiB in [\d.]+ s; kept"
+        )
 
     def test_guest_goes_over_the_movers_with_parallel_connections(self) -> None:
         """The Nova path over the ``mover`` transport: the destination's agent starts

@@ -318,13 +318,16 @@ def test_the_service_keeps_in_memory_only_the_ended_records_the_files_keep(tmp_p
 
     conf = types.SimpleNamespace(
         agent=types.SimpleNamespace(
-            state_dir=str(tmp_path), migration_records_kept=2, libvirt_uri="qemu:///system"
+            state_dir=str(tmp_path),
+            migration_records_kept=2,
+            libvirt_uri="qemu:///system",
+            split_hot_sample_seconds=1.0,
         )
     )
     monkeypatch.setattr(migrations.movers, "rdma_provider_present", lambda: False)
     service = migrations.MigrationService("A", conf, options=migrations.EngineOptions())
 
-    def refuse(request, dest):
+    def refuse(request, dest, on_ram_bytes=None):
         raise exceptions.InvalidInput(what="VM", reason="no room")
 
     monkeypatch.setattr(service, "plan", refuse)

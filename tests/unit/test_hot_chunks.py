@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import pathlib
 import threading
+import time
 import types
 
 import pytest
@@ -142,7 +143,10 @@ def _source(hot, seconds: float = 1.0):
         agent=types.SimpleNamespace(split_hot_sample_seconds=seconds)
     )
     service.hot_chunks = hot
-    record = types.SimpleNamespace(vm="vm1", events=[])
+    service.hot_ahead = {}
+    record = types.SimpleNamespace(
+        id="m1", vm="vm1", events=[], request=types.SimpleNamespace(mode="split")
+    )
     record.event = record.events.append
     return service, record
 
@@ -170,6 +174,43 @@ def test_no_hint_leaves_the_migration_to_the_stream(hot, fail, says):
     dest = types.SimpleNamespace(agent=_DestAgent(fail))
     service._hint_hot_chunks(record, 64 * MIB, dest)  # does not raise
     assert dest.agent.posts == [] and says in record.events[0]
+
+
+def test_a_sample_taken_while_planning_is_the_one_sent():
+    asked = []
+    service, record = _source(lambda vm, ram, s: asked.append((vm, ram, s)) or [[4, 2]])
+    service._hot_sampler(record)(64 * MIB)  # what plan() calls once it knows the RAM
+    dest = types.SimpleNamespace(agent=_DestAgent())
+    service._hint_hot_chunks(record, 64 * MIB, dest)
+    assert asked == [("vm1", 64 * MIB, 1.0)]  # sampled once, ahead
+    assert dest.agent.posts == [("/v1/split/hot", {"vm": "vm1", "chunks": [[4, 2]]})]
+    assert "sampled while planning" in record.events[0] and service.hot_ahead == {}
+
+
+@pytest.mark.parametrize(("mode", "seconds"), [("precopy", 1.0), ("postcopy", 1.0), ("auto", 0.0)])
+def test_no_sample_ahead_where_split_cannot_come_or_sampling_is_off(mode, seconds):
+    service, record = _source(lambda *a: pytest.fail("sampled"), seconds=seconds)
+    record.request.mode = mode
+    assert service._hot_sampler(record) is None
+
+
+def test_a_sample_ahead_that_hangs_or_raises_gives_no_hint_and_says_why():
+    release = threading.Event()
+    hung = hot_chunks.SampleAhead(
+        lambda: release.wait(5) and ([[0, 1]], ""), hot_chunks.no_runs, "t-hung"
+    )
+    started = time.monotonic()
+    assert hung.answer(0.1) == (None, "the sample did not end within 0.1 s")
+    assert time.monotonic() - started < 2.0
+    release.set()
+    assert hung.answer(2.0) == ([[0, 1]], "")
+
+    def broken():
+        raise RuntimeError("bug")
+
+    failed = hot_chunks.SampleAhead(broken, hot_chunks.no_runs, "t-broken")
+    runs, why = failed.answer(2.0)
+    assert runs is None and "failed" in why
 
 
 def test_sampling_turned_off_samples_nothing():
@@ -239,3 +280,25 @@ def test_novas_driver_migrates_on_without_a_hint(answer, fail, says):
     dest = _DestAgent(fail)
     assert says in planning.hint_hot_chunks(local, dest, "vm1", 64 * MIB)  # type: ignore[arg-type]
     assert dest.posts == []
+
+
+@pytest.mark.parametrize("budget", [None, 240 * MIB])
+def test_novas_driver_samples_while_planning_only_for_a_split_reservation(budget):
+    from nova_driver import driver
+
+    asked = []
+    local = types.SimpleNamespace(
+        post=lambda path, body: asked.append(body) or {"chunks": [[3, 5]], "seconds": 1.0}
+    )
+    dest = _DestAgent()
+    drv = driver.FlexMigLibvirtDriver.__new__(driver.FlexMigLibvirtDriver)
+    drv._local_agent = lambda: local
+    drv._destination_agent = lambda offer: dest
+    instance = types.SimpleNamespace(name="vm1", flavor=types.SimpleNamespace(memory_mb=64))
+    hint = drv._hint_while_planning(instance, types.SimpleNamespace(split_budget_bytes=budget))
+    if budget is None:
+        assert hint is None and asked == []
+        return
+    assert "5 MiB" in hint.answer(5.0)
+    assert asked == [{"vm": "vm1", "ram_bytes": 64 * MIB}]
+    assert dest.posts == [("/v1/split/hot", {"vm": "vm1", "chunks": [[3, 5]]})]
