@@ -516,7 +516,7 @@ class MigrationJob:
             # deadline, not one stuck call, ends the recovery.
             self._abandoned = False
             return (
-                f"libvirt's resume call did not end within {self.config.end_timeout_s:.0f} s "
+                f"{recovery.ABANDONED_CALL} {self.config.end_timeout_s:.0f} s "
                 "of its interruption"
             )
         return str(errors[0]) if errors else None

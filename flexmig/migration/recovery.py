@@ -37,6 +37,9 @@ QEMU_MOVING = frozenset(
 WAIT_POLL_S = 1.0
 # libvirt's refusal while another thread (a stuck resume call) owns the job.
 STUCK_JOB = "is being actively monitored by another thread"
+# The job's own word for a resume call it stopped waiting for: one that
+# holds the VM's migration job as well (a CI run's give-up, 2026-11-29).
+ABANDONED_CALL = "libvirt's resume call did not end within"
 
 # Between resume attempts: long enough for a daemon or link to come back, short
 # enough that a 2 s cut costs about that; doubled per failure, capped.
@@ -203,7 +206,7 @@ def given_up(timeout_s: float, attempts: int, last_error: str, dest_libvirt_uri:
         f"--postcopy-resume <vm> {dest_libvirt_uri} <a migration URI that reaches the "
         "destination QEMU, e.g. tcp://<destination>>"
     )
-    if STUCK_JOB in last_error:
+    if STUCK_JOB in last_error or ABANDONED_CALL in last_error:
         text += (
             ". libvirt's own resume call is stuck and holds the VM's migration job "
             "(seen with libvirt 9.0 and QEMU >= 9.1, whose postcopy-recover-setup state "

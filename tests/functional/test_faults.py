@@ -1,11 +1,13 @@
 """Faults during migration: the VM is never lost and never loses a page."""
 
 import time
+import warnings
 
 import pytest
 
 from flexmig import migrate_cli, processutil
 from flexmig_lab import fabric, vm
+from tests.bench.fault_inject import restart_libvirtd
 
 pytestmark = pytest.mark.lab
 
@@ -133,14 +135,56 @@ def _start_postcopy(lab):
     return agent, mid
 
 
-def _completed_events(agent, mid):
+# The plan's note where libvirt cannot resume a broken postcopy (flexmig/migration/
+# planner.py): libvirt 9.0 with QEMU >= 9.1, the lab's default stack.
+RESUME_UNSUPPORTED = "a postcopy whose connection breaks cannot be resumed between these hosts"
+
+
+def _timeline(record):
+    """Every event, untruncated and timed: what CI prints is all there is to go by."""
+    start = record["events"][0][0] if record["events"] else 0.0
+    return "\n".join(f"+{ts - start:7.2f} s  {text}" for ts, text in record["events"])
+
+
+def _recovered_events(lab, guest, agent, mid):
+    """The postcopy's events once the VM runs whole on B, and who resumed it.
+
+    The job resumes it ("job"), except where the plan warned that libvirt
+    cannot (libvirt 9.0's resume call can hang on QEMU >= 9.1's
+    postcopy-recover-setup and hold the VM's job: 2 of 4 runs of the fault
+    campaign's cut cell, 1 CI run of this test): the job must then leave the
+    VM paused, recoverable, with the remedy in its error, and that remedy must
+    bring the VM back whole ("operator").
+    """
     record = migrate_cli.follow(agent, mid)
-    if record["state"] != "completed":
-        # Every event, untruncated and timed: what CI prints is all there is to go by.
-        start = record["events"][0][0] if record["events"] else 0.0
-        timeline = "\n".join(f"+{ts - start:7.2f} s  {text}" for ts, text in record["events"])
-        pytest.fail(f"{record['state']}: {record['error']}\n{timeline}", pytrace=False)
-    return record, [text for _ts, text in record["events"]]
+    events = [text for _ts, text in record["events"]]
+    if record["state"] == "completed":
+        return record, events, "job"
+    if not any(text.startswith(RESUME_UNSUPPORTED) for text in events):
+        pytest.fail(f"{record['state']}: {record['error']}\n{_timeline(record)}", pytrace=False)
+    assert "nothing was destroyed: it is recoverable" in record["error"], _timeline(record)
+    assert "--postcopy-resume" in record["error"], record["error"]
+    _operator_resumes_postcopy(lab, guest)
+    warnings.warn(
+        f"libvirt could not resume the postcopy, as the plan warned; the operator's remedy "
+        f"did:\n{record['error']}\n{_timeline(record)}",
+        stacklevel=2,
+    )
+    return record, events, "operator"
+
+
+def _operator_resumes_postcopy(lab, guest):
+    """What the job's error tells an operator to do: restart libvirtd on the
+    source (ending a resume call that hangs) and resume the postcopy there."""
+    source, dest = lab.host("A"), lab.host("B").spec
+    restart_libvirtd(source)
+    name = guest.name
+    state = source.ns.run(["virsh", "domstate", "--reason", name], check=False).stdout
+    if "post-copy failed" in state:
+        resume = ["virsh", "migrate", "--live", "--p2p", "--postcopy", "--postcopy-resume"]
+        resume += [name, dest.libvirt_uri, "--migrateuri", dest.migration_uri]
+        source.ns.run(["timeout", "120", *resume])
+    processutil.wait_for(lambda: guest.locate() == "B" or None, timeout=60, what=f"{name} on B")
 
 
 def test_cutting_the_fabric_during_postcopy_recovers_when_it_returns(lab, hot_vm):
@@ -148,7 +192,7 @@ def test_cutting_the_fabric_during_postcopy_recovers_when_it_returns(lab, hot_vm
     fabric.set_mgmt_link(lab.host("B").spec, False)
     time.sleep(20)  # well past the stall timeout: postcopy pauses, recovery starts
     fabric.set_mgmt_link(lab.host("B").spec, True)
-    _record, events = _completed_events(agent, mid)
+    _record, events, _by = _recovered_events(lab, hot_vm, agent, mid)
     # The outage was noticed — by the stall watchdog, or by libvirt's control
     # connection breaking first — and the postcopy stream carried on once the
     # link was back.
@@ -166,7 +210,8 @@ def test_a_stream_reset_during_postcopy_is_resumed_by_postcopy_recovery(lab, hot
     fabric.reset_migration_streams(spec_a, spec_b)
     time.sleep(10)
     fabric.set_mgmt_link(spec_b, True)
-    record, events = _completed_events(agent, mid)
-    assert any(text.startswith("postcopy resumed and completed") for text in events), events
-    assert record["summary"]["recovered"]
+    record, events, by = _recovered_events(lab, hot_vm, agent, mid)
+    if by == "job":
+        assert any(text.startswith("postcopy resumed and completed") for text in events), events
+        assert record["summary"]["recovered"]
     _check_vm(hot_vm, "B")

@@ -251,6 +251,10 @@ def test_a_destination_qemu_that_ended_is_not_resumed_into_and_the_error_says_wh
 def test_a_job_held_by_a_stuck_resume_call_says_to_restart_libvirtd():
     stuck = "Requested operation is not valid: migration of domain vm1 " + recovery.STUCK_JOB
     assert "restart libvirtd on the source" in recovery.given_up(120, 7, stuck, "qemu+tcp://b")
+    # A resume call the job stopped waiting for holds the job as well.
+    abandoned = f"{recovery.ABANDONED_CALL} 60 s of its interruption"
+    assert "restart libvirtd on the source" in recovery.given_up(120, 1, abandoned, "qemu+tcp://b")
+    assert "restart libvirtd" not in recovery.given_up(120, 1, "B unreachable", "qemu+tcp://b")
     assert "restart libvirtd" not in recovery.given_up(120, 7, "connection refused", "x")
 
 
