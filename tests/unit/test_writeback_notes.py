@@ -92,10 +92,8 @@ def test_the_forecast_counts_the_destinations_writeback_once_and_explains_it():
     old_shared = _forecast(UNFIXED_QEMU, True)
     parts = old_shared.guest_downtime.parts_ms
     # 200 MiB resident, 40 % left by the flusher, 500 MiB/s: paid to the msync only.
-    assert parts["destination msync"] == 160 and parts["persist fsync"] == 0
+    assert parts["destination msync"] == 160 and "persist fsync" not in parts
     assert "downtime at the destination: destination QEMU's msync" in old_shared.explain()
-    fixed_shared = _forecast(FIXED_QEMU, True).guest_downtime.parts_ms
-    assert fixed_shared["persist fsync"] == 160 and fixed_shared["destination msync"] == 0
     current = _forecast(FIXED_QEMU, False)
     assert current.guest_downtime.total_ms == pytest.approx(
         old_shared.guest_downtime.total_ms - 160
@@ -103,6 +101,21 @@ def test_the_forecast_counts_the_destinations_writeback_once_and_explains_it():
     # Without the flusher every resident page is still dirty at completion.
     no_flusher = _forecast(UNFIXED_QEMU, True, store_writeback=False).guest_downtime
     assert no_flusher.parts_ms["destination msync"] == 400
+
+
+@pytest.mark.parametrize("flusher", [True, False])
+def test_libvirts_persist_fsync_is_named_but_not_counted(flusher):
+    """libvirtd's fsyncs took at most 1 ms in ten lab runs (2026-11-29, syscall
+    tracepoints; seven with the store writeback on, three off) where the forecast
+    had counted 130-670 ms for them: a fixed QEMU on a shared store costs what a
+    fixed QEMU on a store of its own does, and explain says why and names the risk."""
+    shared = _forecast(FIXED_QEMU, True, store_writeback=flusher)
+    own = _forecast(FIXED_QEMU, False, store_writeback=flusher)
+    assert shared.guest_downtime.total_ms == own.guest_downtime.total_ms
+    assert shared.guest_downtime.parts_ms["destination msync"] == 0
+    text = shared.explain()
+    assert writeback.FSYNC_NOT_COUNTED in text
+    assert "filesystem of its own" in text and "not counted in the forecast" in text
 
 
 def test_anonymous_memory_has_nothing_to_write_back():
