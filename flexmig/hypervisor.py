@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 from collections.abc import Callable, Iterator
 from typing import TypeVar
@@ -50,13 +51,38 @@ def bounded(call: Callable[[], T], seconds: float, what: str) -> T:
     return outcome[0]  # type: ignore[return-value]
 
 
+# libvirt's text when a call waited 30 s for a domain's job held by a
+# migration call (libvirt 9.0: "... (held by monitor=remoteDispatchDomainMigratePerform3Params)").
+HELD_BY_MIGRATION = re.compile(r"cannot acquire state change lock \(held by [^)]*Migrat")
+HELD_BY_MIGRATION_ADVICE = (
+    "a migration call still holds this VM's job in libvirt on this host (one that outlived "
+    "its interruption, e.g. after the link to the destination broke): it ends when libvirt "
+    "gives up on the destination, or restart libvirtd on this host (running domains are kept)"
+)
+
+
+def reason_of(message: str) -> str:
+    """libvirt's message, with what to do where libvirt's own leaves it out.
+
+    >>> reason_of("Requested operation is not valid: domain is not running")
+    'Requested operation is not valid: domain is not running'
+    >>> reason_of("Timed out during operation: cannot acquire state change lock "
+    ...           "(held by monitor=remoteDispatchDomainMigratePerform3Params)").endswith(
+    ...     "restart libvirtd on this host (running domains are kept)")
+    True
+    """
+    if HELD_BY_MIGRATION.search(message):
+        return f"{message}; {HELD_BY_MIGRATION_ADVICE}"
+    return message
+
+
 @contextlib.contextmanager
 def wrap_errors(host: str, action: str) -> Iterator[None]:
     try:
         yield
     except libvirt.libvirtError as exc:
         raise exceptions.HypervisorError(
-            host=host, action=action, reason=exc.get_error_message() or str(exc)
+            host=host, action=action, reason=reason_of(exc.get_error_message() or str(exc))
         ) from exc
 
 

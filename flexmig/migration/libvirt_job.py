@@ -47,6 +47,14 @@ BASE_FLAGS = (
 LANDING_POLL_S = 1.0
 
 # The source's VM states (state, reason) that mean it was given up as migrated.
+# Where libvirt's call outlived its interruption, it still holds the VM's job:
+# the next migration of it waits 30 s for that job and fails (CI, 2026-11-29:
+# libvirt 9.0's Perform call stayed after a cut link came back).
+STILL_HELD = (
+    "libvirt's call still holds the VM's migration job, so a new migration of it fails "
+    "until that call ends (when libvirt gives up on the destination) or libvirtd on the "
+    "source is restarted (running domains are kept)"
+)
 NO_DOMAIN = (-1, -1)  # the source has no such domain (a transient one is gone)
 SOURCE_MIGRATED = (libvirt.VIR_DOMAIN_SHUTOFF, libvirt.VIR_DOMAIN_SHUTOFF_MIGRATED)
 
@@ -389,7 +397,7 @@ class MigrationJob:
             )
         else:
             self._keep_source_running()
-            where = "the VM was still whole on the source and is left running there"
+            where = f"the VM was still whole on the source and is left running there; {STILL_HELD}"
         self.result.error = (
             f"{self._abort_reason or 'interrupted'}; libvirt's job did not end within "
             f"{self.config.end_timeout_s:.0f} s of the interruption: {where}"

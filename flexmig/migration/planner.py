@@ -233,6 +233,10 @@ def blockers(
     return postcopy, split
 
 
+# How the plan's warning of that starts, for whoever looks for it in a job's events.
+POSTCOPY_NOT_RESUMABLE = "a postcopy whose connection breaks cannot be resumed between these hosts"
+
+
 def unrecoverable_postcopy(recovery: str, refused: bool = False) -> str | None:
     """What a postcopy between hosts without postcopy-recovery risks, or None
     where they have it (or did not say: 'unknown' warns nothing it cannot back).
@@ -250,7 +254,7 @@ def unrecoverable_postcopy(recovery: str, refused: bool = False) -> str | None:
     if not recovery.startswith("no"):
         return None
     risk = (
-        "a postcopy whose connection breaks cannot be resumed between these hosts "
+        f"{POSTCOPY_NOT_RESUMABLE} "
         f"({recovery.split(': ', 1)[-1]}): a link failure after the switch would leave the "
         "VM paused on both hosts until libvirtd on the source is restarted and the "
         "migration resumed by hand"

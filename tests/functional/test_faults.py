@@ -6,6 +6,7 @@ import warnings
 import pytest
 
 from flexmig import migrate_cli, processutil
+from flexmig.migration import libvirt_job, planner
 from flexmig_lab import fabric, vm
 from tests.bench.fault_inject import restart_libvirtd
 
@@ -106,9 +107,24 @@ def test_cutting_the_fabric_during_precopy_aborts_and_keeps_the_vm(lab, slow_vm)
     noticed = ("no progress", "destination agent stopped answering", "client socket is closed")
     assert any(text in record["error"] for text in noticed), record["error"]
     _check_vm(slow_vm, "A")
+    if "libvirt's job did not end" in record["error"]:
+        _operator_ends_the_held_call(lab, slow_vm, record["error"])
     # and the VM can still go once the link is back
     result = migrate_cli.migrate(lab, "slow", "B", mode="precopy", show=False)
-    assert result["state"] == "completed" and result["verify"]["bad"] == 0
+    assert result["state"] == "completed" and result["verify"]["bad"] == 0, result.get("error")
+
+
+def _operator_ends_the_held_call(lab, guest, error):
+    """libvirt 9.0's migration call can outlive the cut and its repair, holding
+    the VM's job so the next migration fails on libvirt's lock (CI, 2026-11-29).
+    The error must say so and what ends it; the test then does that, as an
+    operator would, and the VM must still be whole on A."""
+    assert libvirt_job.STILL_HELD in error, error
+    warnings.warn(
+        f"libvirt's call outlived the cut; restarting libvirtd on A: {error}", stacklevel=2
+    )
+    restart_libvirtd(lab.host("A"))
+    _check_vm(guest, "A")
 
 
 @pytest.fixture
@@ -135,11 +151,6 @@ def _start_postcopy(lab):
     return agent, mid
 
 
-# The plan's note where libvirt cannot resume a broken postcopy (flexmig/migration/
-# planner.py): libvirt 9.0 with QEMU >= 9.1, the lab's default stack.
-RESUME_UNSUPPORTED = "a postcopy whose connection breaks cannot be resumed between these hosts"
-
-
 def _timeline(record):
     """Every event, untruncated and timed: what CI prints is all there is to go by."""
     start = record["events"][0][0] if record["events"] else 0.0
@@ -160,7 +171,7 @@ def _recovered_events(lab, guest, agent, mid):
     events = [text for _ts, text in record["events"]]
     if record["state"] == "completed":
         return record, events, "job"
-    if not any(text.startswith(RESUME_UNSUPPORTED) for text in events):
+    if not any(text.startswith(planner.POSTCOPY_NOT_RESUMABLE) for text in events):
         pytest.fail(f"{record['state']}: {record['error']}\n{_timeline(record)}", pytrace=False)
     assert "nothing was destroyed: it is recoverable" in record["error"], _timeline(record)
     assert "--postcopy-resume" in record["error"], record["error"]

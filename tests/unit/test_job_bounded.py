@@ -141,8 +141,32 @@ def test_a_job_that_outlives_its_abort_is_reported_and_the_watch_ends(monkeypatc
     assert result.state == "failed"
     assert "did not end within 1 s" in (result.error or "")
     assert "left running there" in (result.error or "")
+    # The call still holds the VM's job: say so, and what ends it.
+    assert job_module.STILL_HELD in (result.error or "")
+    assert "restarted" in job_module.STILL_HELD
     assert any("no longer waiting" in e for e in events)
     assert took < 5.0
+
+
+def test_a_later_call_blocked_by_that_job_says_what_holds_it_and_what_ends_it():
+    """CI, 2026-11-29: after a cut link came back, the next migration of the VM
+    failed on libvirt's 30 s lock wait, its message naming only libvirt's RPC."""
+    held = libvirt.libvirtError("x")
+    held.get_error_message = (
+        lambda: (  # type: ignore[method-assign]
+            "Timed out during operation: cannot acquire state change lock "
+            "(held by monitor=remoteDispatchDomainMigratePerform3Params)"
+        )
+    )
+    with pytest.raises(exceptions.HypervisorError) as raised:
+        with hypervisor.wrap_errors("lab-a", "start a 1 s dirty-rate calculation"):
+            raise held
+    text = str(raised.value)
+    assert "remoteDispatchDomainMigratePerform3Params" in text
+    assert hypervisor.HELD_BY_MIGRATION_ADVICE in text
+    # A lock held by anything else gets libvirt's words alone.
+    other = "Timed out during operation: cannot acquire state change lock (held by agent=x)"
+    assert hypervisor.reason_of(other) == other
 
 
 def test_a_switch_made_without_an_answer_is_known_and_then_bounded(monkeypatch):
