@@ -46,7 +46,6 @@ BASE_FLAGS = (
 
 LANDING_POLL_S = 1.0
 
-# The source's VM states (state, reason) that mean it was given up as migrated.
 # Where libvirt's call outlived its interruption, it still holds the VM's job:
 # the next migration of it waits 30 s for that job and fails (CI, 2026-11-29:
 # libvirt 9.0's Perform call stayed after a cut link came back).
@@ -55,6 +54,8 @@ STILL_HELD = (
     "until that call ends (when libvirt gives up on the destination) or libvirtd on the "
     "source is restarted (running domains are kept)"
 )
+
+# The source's VM states (state, reason) that mean it was given up as migrated.
 NO_DOMAIN = (-1, -1)  # the source has no such domain (a transient one is gone)
 SOURCE_MIGRATED = (libvirt.VIR_DOMAIN_SHUTOFF, libvirt.VIR_DOMAIN_SHUTOFF_MIGRATED)
 

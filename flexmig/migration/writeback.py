@@ -115,7 +115,7 @@ class SwitchoverWriteback:
     reason: str = ""
 
     def parts_s(self) -> dict[str, float]:
-        return dict(zip(PARTS, (self.msync_s,), strict=True))
+        return dict.fromkeys(PARTS, self.msync_s)  # PARTS is the msync alone
 
 
 def switchover_writeback(
