@@ -16,18 +16,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
-import re
 import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from flexmig import exceptions, migrate_cli
+from flexmig import migrate_cli
 from flexmig_lab import vm
 from flexmig_lab.lab import Lab
 from tests.bench import tracefs
 
-MSYNC_RE = re.compile(r"qemu-system-x86-(\d+)\s.*?(\d+\.\d+): sys_(msync)(\(| ->)")
 OUT = Path("docs/benchmarks/writeback.md")
 WORKLOAD = "dirtier:wss=128M,rate=3000"
 
@@ -35,31 +33,10 @@ WORKLOAD = "dirtier:wss=128M,rate=3000"
 @contextlib.contextmanager
 def msync_trace() -> Iterator[list[float]]:
     """Durations (ms) of every QEMU msync while the block runs."""
-    root = tracefs.ensure_mounted()
-    events = [root / f"events/syscalls/sys_{e}_msync/enable" for e in ("enter", "exit")]
-    if not all(event.is_file() for event in events):
-        raise exceptions.MissingPrerequisite(
-            what="the msync syscall tracepoints", hint="kernel built without FTRACE_SYSCALLS"
-        )
-    (root / "trace").write_text("")
-    for event in events:
-        event.write_text("1")
     durations: list[float] = []
-    try:
+    with tracefs.syscall_trace("msync") as calls:
         yield durations
-    finally:
-        for event in events:
-            event.write_text("0")
-        started: dict[str, float] = {}
-        for line in (root / "trace").read_text().splitlines():
-            match = MSYNC_RE.search(line)
-            if not match:
-                continue
-            pid, stamp = match.group(1), float(match.group(2))
-            if match.group(4) == "(":
-                started[pid] = stamp
-            elif pid in started:
-                durations.append((stamp - started.pop(pid)) * 1000)
+    durations.extend(ms for name, ms in calls if name.startswith("qemu-system-x86"))
 
 
 def one(lab: Lab, to: str, writeback: bool) -> dict[str, float]:

@@ -2,8 +2,8 @@
 
 Runs bench_split's cases (``enough``, ``split-75`` ...) one after another and,
 for each, times every fsync(2) on the machine with the kernel's syscall
-tracepoints (a tracefs instance of its own, mono clock, enter and exit paired
-by thread), then prints the migration's row and the fsyncs per process name.
+tracepoints (``tracefs.syscall_trace``: enter and exit paired by thread),
+then prints the migration's row and the fsyncs per process name.
 docs/benchmarks/switchover.md, "libvirt's persist fsync, measured again":
 
     FLEXMIG_LAB_QEMU=trixie FLEXMIG_LAB_DIRTY_SAMPLE_SECONDS=1,5,15 \\
@@ -11,53 +11,19 @@ docs/benchmarks/switchover.md, "libvirt's persist fsync, measured again":
         enough,split-50,enough,split-50,split-75,enough,split-35
     ... -m tests.bench.fsync_probe --no-writeback enough,enough,enough
 
-Needs root and tracefs at /sys/kernel/tracing.
+Needs root (it mounts tracefs where it is not mounted).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import re
-from pathlib import Path
 
 from flexmig_lab import image
 from flexmig_lab.lab import Lab
-from tests.bench import bench_split
+from tests.bench import bench_split, tracefs
 
 WORKLOAD = "dirtier:wss=400M,hot=64M,rate=2000"
-INSTANCE = Path("/sys/kernel/tracing/instances/flexmig-fsync")
-EVENTS = ("syscalls/sys_enter_fsync", "syscalls/sys_exit_fsync")
-LINE = re.compile(r"^\s*(\S.*?)-(\d+)\s+\[\d+\].{4,6}\s+([\d.]+): sys_fsync(.*)$")
 SHOWN = ("time_s", "gap_ms", "qemu_downtime_ms", "pred_downtime_ms", "pred_parts")
-
-
-def _write(path: str, value: str) -> None:
-    (INSTANCE / path).write_text(value)
-
-
-def _events(on: bool) -> None:
-    for event in EVENTS:
-        _write(f"events/{event}/enable", "1" if on else "0")
-
-
-def fsyncs() -> list[tuple[str, float]]:
-    """(process name, ms) of every fsync since the last call; clears the buffer."""
-    text = (INSTANCE / "trace").read_text()
-    _write("trace", "")
-    entered: dict[int, tuple[float, str]] = {}
-    out = []
-    for line in text.splitlines():
-        match = LINE.match(line)
-        if not match:
-            continue
-        comm, tid, stamp, rest = match[1], int(match[2]), float(match[3]), match[4]
-        if "->" not in rest:
-            entered[tid] = (stamp, comm)
-        elif tid in entered:
-            start, name = entered.pop(tid)
-            out.append((name, round((stamp - start) * 1000, 1)))
-    return out
 
 
 def _without_writeback(migrate):
@@ -76,26 +42,21 @@ def main() -> None:
     if args.no_writeback:
         bench_split.migrate_cli.migrate = _without_writeback(bench_split.migrate_cli.migrate)
     image.build()
-    os.makedirs(INSTANCE, exist_ok=True)
-    _write("buffer_size_kb", "8192")
-    _write("trace_clock", "mono")
-    _events(True)
     lab = Lab()
     lab.down()
     lab.up(2)
     try:
         for case in args.cases.split(","):
-            fsyncs()
-            row = bench_split.one_run(lab, case, None, WORKLOAD)
+            with tracefs.syscall_trace("fsync") as calls:
+                row = bench_split.one_run(lab, case, None, WORKLOAD)
             by_name: dict[str, list[float]] = {}
-            for name, ms in fsyncs():
-                by_name.setdefault(name, []).append(ms)
+            for name, ms in calls:
+                by_name.setdefault(name, []).append(round(ms, 1))
             print(case, {k: row.get(k) for k in SHOWN}, flush=True)
             print(
                 "  fsyncs (count, longest ms):", {n: (len(v), max(v)) for n, v in by_name.items()}
             )
     finally:
-        _events(False)
         lab.down()
 
 

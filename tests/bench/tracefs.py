@@ -10,8 +10,11 @@ the way ``perf`` users and ``bpftool`` do, instead of failing inside libbpf.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 from flexmig import exceptions
@@ -85,3 +88,52 @@ def ensure_mounted() -> Path:
             what=f"tracepoint events under {path}", hint="the kernel exposes no trace events"
         )
     return Path(path)
+
+
+def syscall_durations(trace_text: str, syscall: str) -> list[tuple[str, float]]:
+    """(process name, ms) of each ``syscall`` in a trace of its enter and exit
+    tracepoints, paired by thread.
+
+    >>> text = (" rpc-libvirtd-26787 [001] ..... 72615.313600: sys_fsync(fd: 0x23)\\n"
+    ...         " qemu-system-x86-9 [000] ..... 72615.313700: sys_fsync(fd: 0x3)\\n"
+    ...         " rpc-libvirtd-26787 [001] ..... 72615.314600: sys_fsync -> 0x0\\n"
+    ...         " qemu-system-x86-9 [000] ..... 72615.333700: sys_fsync -> 0x0\\n")
+    >>> [(name, round(ms, 1)) for name, ms in syscall_durations(text, "fsync")]
+    [('rpc-libvirtd', 1.0), ('qemu-system-x86', 20.0)]
+    """
+    line_re = re.compile(rf"^\s*(\S.*?)-(\d+)\s.*?(\d+\.\d+): sys_{syscall}(\(| ->)")
+    started: dict[str, tuple[str, float]] = {}
+    durations = []
+    for line in trace_text.splitlines():
+        match = line_re.search(line)
+        if not match:
+            continue
+        name, tid, stamp = match.group(1), match.group(2), float(match.group(3))
+        if match.group(4) == "(":
+            started[tid] = (name, stamp)
+        elif tid in started:
+            name, start = started.pop(tid)
+            durations.append((name, (stamp - start) * 1000))
+    return durations
+
+
+@contextlib.contextmanager
+def syscall_trace(syscall: str) -> Iterator[list[tuple[str, float]]]:
+    """(process name, ms) of every ``syscall`` on the machine while the block
+    runs, filled in when it ends (tracefs mounted first where it is not)."""
+    root = ensure_mounted()
+    events = [root / f"events/syscalls/sys_{e}_{syscall}/enable" for e in ("enter", "exit")]
+    if not all(event.is_file() for event in events):
+        raise exceptions.MissingPrerequisite(
+            what=f"the {syscall} syscall tracepoints", hint="kernel built without FTRACE_SYSCALLS"
+        )
+    (root / "trace").write_text("")
+    for event in events:
+        event.write_text("1")
+    durations: list[tuple[str, float]] = []
+    try:
+        yield durations
+    finally:
+        for event in events:
+            event.write_text("0")
+        durations.extend(syscall_durations((root / "trace").read_text(), syscall))
