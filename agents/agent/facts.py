@@ -13,7 +13,7 @@ import time
 import libvirt
 
 from agents.agent import cachestat
-from flexmig import hypervisor
+from flexmig import exceptions, hypervisor
 from flexmig.migration import facts as migration_facts
 from flexmig.migration import writeback
 from flexmig.migration.facts import filesystem_of, same_filesystem
@@ -125,6 +125,18 @@ def running_vm_ram(uri: str, host: str) -> tuple[int, HostSoftware]:
             doms = conn.listAllDomains(libvirt.VIR_CONNECT_LIST_DOMAINS_ACTIVE)
             used = sum(d.maxMemory() * 1024 for d in doms)
         return used, migration_facts.host_software(conn, host)
+
+
+def qemu_syncs_incoming_ram(uri: str, host: str) -> bool:
+    """Whether this host's QEMU writes an incoming file-backed guest's dirty RAM
+    back inside the downtime (writeback.qemu_syncs_file_ram); True when the
+    version cannot be read, the case a dirtier file costs most."""
+    try:
+        with hypervisor.connect(uri, host) as conn:
+            qemu = migration_facts.host_software(conn, host).qemu
+    except exceptions.FlexMigError:
+        return True
+    return writeback.qemu_syncs_file_ram(qemu) is not False
 
 
 def host_facts(

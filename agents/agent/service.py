@@ -30,6 +30,7 @@ from agents.agent import (
     movers,
     offload_hook,
     privileged,
+    split_store,
     sriov_failover,
 )
 from agents.agent.client import AgentClient
@@ -271,10 +272,14 @@ class Agent:
             vm, body["ram_bytes"], body["budget_bytes"], body.get("headroom_bytes")
         )
         self._stop_flusher(vm)
-        # The keeper writes the VM's file back and keeps its residency under the budget.
+        # The keeper writes the VM's file back and keeps its residency under the budget;
+        # the chunks it keeps less often where QEMU does not sync them in the downtime.
+        syncs = facts.qemu_syncs_incoming_ram(self.conf.agent.libvirt_uri, self.host)
         stop = threading.Event()
         self.flush_stops[vm] = stop
-        self.keepers[vm] = ResidencyKeeper(self.store, vm, stop)
+        self.keepers[vm] = ResidencyKeeper(
+            self.store, vm, stop, 1 if syncs else split_store.KEPT_WRITEBACK_LOOKS
+        )
         self.keepers[vm].start()
         return 200, result
 

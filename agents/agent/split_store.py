@@ -216,6 +216,10 @@ RESUME_WINDOW_S = 1.0
 # Looks whose charge growth the keeper makes room for (0.8 s at 0.1 s a look,
 # as long as the ages remember a reference).
 GROWTH_LOOKS = 8
+# Looks between writebacks of the chunks the keeper keeps (the rewritten set
+# and the hint: residency.chunks_to_write_back), where the destination's QEMU
+# does not write dirty guest RAM inside the downtime: 1 s.
+KEPT_WRITEBACK_LOOKS = 10
 KEEPER_FIND_TIMEOUT_S = 120.0  # how long an incoming QEMU may take to appear
 LIBVIRT_PID_DIR = Path("/run/libvirt/qemu")
 
@@ -279,9 +283,14 @@ class ResidencyKeeper(threading.Thread):
     left) or it is told to stop; ``stats`` is what the status API reports.
     """
 
-    def __init__(self, store: SplitStore, vm: str, stop: threading.Event) -> None:
+    def __init__(
+        self, store: SplitStore, vm: str, stop: threading.Event, kept_writeback_looks: int = 1
+    ) -> None:
+        """``kept_writeback_looks``: looks between writebacks of the chunks kept
+        resident (1: every look; residency.chunks_to_write_back)."""
         super().__init__(name=f"residency-{vm}", daemon=True)
         self.store, self.vm, self.stop_event = store, vm, stop
+        self.kept_writeback_looks = max(1, kept_writeback_looks)
         self.stats: dict[str, Any] = {
             "state": "waiting for QEMU",
             "samples": 0,
@@ -300,6 +309,7 @@ class ResidencyKeeper(threading.Thread):
             "back_after_resume_chunks": dict.fromkeys(residency.WRITE_CLASSES, 0),
             # Chunks the source saw the guest write before the migration (hint).
             "hinted_chunks": 0,
+            "kept_writeback_every_looks": self.kept_writeback_looks,
         }
         self.hinted: frozenset[int] = frozenset()
 
@@ -385,8 +395,14 @@ class ResidencyKeeper(threading.Thread):
     ) -> None:
         file_fd, pidfd = fds[0], fds[1]
         scan = self._look(ram, fds, state, count_back)
-        resident = [c for c, pages in enumerate(scan.resident) if pages]
-        ram.write_back(file_fd, resident, wait=False)
+        writable = residency.chunks_to_write_back(
+            scan.resident,
+            state.writes,
+            self.hinted,
+            self.stats["rounds"],
+            self.kept_writeback_looks,
+        )
+        ram.write_back(file_fd, writable, wait=False)
         charge = self._charge()
         self._sample(charge, sum(scan.resident) * residency.PAGE)
         if state.settled is not None:

@@ -420,3 +420,48 @@ def test_the_keeper_counts_dropped_chunks_read_back_once_the_guest_runs_here(tmp
         }
     finally:
         os.close(fds[0])
+
+
+def _dirty_chunks(fd: int, chunks: int, wait_clean: set[int], timeout_s: float = 5.0) -> set[int]:
+    """The chunks still dirty once ``wait_clean`` are clean (or the timeout passed)."""
+    from agents.agent import cachestat
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        dirty = {c for c, n in enumerate(cachestat.chunk_pages(fd, chunks, MIB)[1]) if n}
+        if not dirty & wait_clean or time.monotonic() > deadline:
+            return dirty
+        time.sleep(0.02)
+
+
+def test_the_keeper_writes_the_chunks_it_keeps_back_only_every_nth_look(tmp_path):
+    """The rewritten set and the hinted chunks stay dirty between their looks (their
+    folios are rewritten at once anyway); what a drop may take is written at each.
+    Halves of 4 MiB: a large folio (up to 2 MiB here) is written back whole."""
+    from agents.agent import cachestat, split_store
+
+    path = tmp_path / "guest.ram"
+    store = _Usage()  # charged nothing: no drop, writeback only
+    keeper = split_store.ResidencyKeeper(store, "vm", threading.Event(), kept_writeback_looks=3)  # type: ignore[arg-type]
+    keeper.hint(frozenset({6, 7}))
+    ram = residency.GuestRam(os.getpid(), 0, 8 * MIB, str(path))
+    fds = [os.open(path, os.O_RDWR | os.O_CREAT), -1, -1, -1]
+    kept = {4, 5, 6, 7}
+    try:
+        if not cachestat.available(fds[0]):
+            pytest.skip("this kernel has no cachestat (Linux >= 6.5)")
+        os.pwrite(fds[0], b"w" * 8 * MIB, 0)  # cached and dirty, all eight chunks
+        state = split_store._Chunks(
+            ages=[0] * 8, writes=[1, 1, 0, 1, 2, 2, 1, 1], dirty=set(range(8))
+        )
+        marks = split_store._Marks(target=16 * MIB, low=12 * MIB)
+        keeper.stats["rounds"] = 1  # not a look of the kept chunks
+        keeper._step(ram, fds, marks, state)
+        # The kernel's own flusher waits for its 30 s dirty expiry: only the keeper writes.
+        assert _dirty_chunks(fds[0], 8, {0, 1, 2, 3}) == kept
+        keeper.stats["rounds"] = 3
+        keeper._step(ram, fds, marks, state)
+        assert _dirty_chunks(fds[0], 8, kept) == set()
+        assert keeper.stats["kept_writeback_every_looks"] == 3
+    finally:
+        os.close(fds[0])
