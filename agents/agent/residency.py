@@ -323,10 +323,11 @@ def chunks_to_write_back(
     ``kept_every`` looks: with 2 MiB folios one rewritten page makes its
     whole folio dirty, so the hot-set guest had all of its 64 MiB rewritten
     set written back at every look, 640 MB/s.  In the guest's gap after the
-    resume the keeper's writes were 98-156 MiB (block tracepoints, split-50
-    and split-35), and the guest's faults on dropped chunks, reads on the
-    same store, took 4-5 ms each behind them (31-47 ms in all, against
-    8-20 ms in runs where the writes came later).  ``kept_every`` is 1 where
+    resume the keeper's writes were 98-156 MiB (tests/bench/gap_trace.py,
+    split-50 and split-35), the store's write requests took 17 ms each, and
+    the guest's faults on dropped chunks, reads on the same store, 3-4 ms
+    each behind them (31 ms for eight); kept once a second, three faults in
+    a gap without other I/O took 5.6 ms in all.  ``kept_every`` is 1 where
     the destination's QEMU writes all dirty guest RAM inside the downtime
     (before 10.0.3: writeback.py), which a dirtier file would lengthen.
 
