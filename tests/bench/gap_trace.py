@@ -48,7 +48,13 @@ EVENTS = (
     "block/block_rq_issue",
     "block/block_rq_complete",
     "vmscan/mm_vmscan_throttled",
+    "ext4/ext4_free_blocks",
 )
+FREE_RE = re.compile(r"ino (\d+) mode \S+ block \d+ count (\d+)")
+# ext4 discards what a file freed at the next journal commit (every 5 s by
+# default): frees up to then before the gap may be the gap's discards.
+FREED_BEFORE_S = 6.0
+EXT4_BLOCK = 4096
 
 
 def vcpu_waits(trace: str, lo: float, hi: float) -> dict[str, float]:
@@ -122,6 +128,28 @@ def block_io(trace: str, lo: float, hi: float) -> tuple[dict[str, int], dict[str
     return dict(volume.most_common()), dict(latency)
 
 
+def freed_files(trace: str, lo: float, hi: float) -> dict[str, tuple[int, float]]:
+    """Bytes ext4 freed within [lo, hi] by "task ino", with the first free's time
+    relative to ``hi`` (s).
+
+    >>> t = ('  rpc-libvirtd-9 [001] ..... 5.000: ext4_free_blocks: dev 254,0 ino 12 '
+    ...      'mode 0100600 block 100 count 256 flags \\n')
+    >>> freed_files(t, 0.0, 6.0)
+    {'rpc-libvirtd ino 12': (1048576, -1.0)}
+    """
+    freed: dict[str, tuple[int, float]] = {}
+    for line in trace.splitlines():
+        event = LINE_RE.match(line)
+        if not event or event.group(4) != "ext4_free_blocks":
+            continue
+        at, free = float(event.group(3)), FREE_RE.search(event.group(5))
+        if free and lo <= at <= hi:
+            key = f"{event.group(1)} ino {free.group(1)}"
+            nbytes, first = freed.get(key, (0, at - hi))
+            freed[key] = (nbytes + int(free.group(2)) * EXT4_BLOCK, first)
+    return dict(sorted(freed.items(), key=lambda kv: -kv[1][0]))
+
+
 def _instance() -> Path:
     inst = tracefs.ensure_mounted() / "instances" / INSTANCE
     if not inst.exists():
@@ -147,6 +175,8 @@ def _report(trace: str, lo: float, hi: float) -> None:
             f"  latency {kind}: {len(values)} requests, median {statistics.median(values):.2f}"
             f" ms, max {max(values):.2f} ms"
         )
+    for who, (nbytes, at) in list(freed_files(trace, lo - FREED_BEFORE_S, hi).items())[:4]:
+        print(f"  ext4 freed by {who}: {nbytes / 2**20:.1f} MiB, from {at:+.2f} s of the gap's end")
     throttled = trace.count("mm_vmscan_throttled:")
     print(f"  reclaim throttles in the trace: {throttled}")
 
