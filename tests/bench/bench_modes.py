@@ -227,6 +227,13 @@ def _fmt(rows):
     )
 
 
+def make_swap_file(path: Path) -> None:
+    """A 1 GiB swap file at ``path`` (not yet on): the conventional-swap baseline's."""
+    subprocess.run(["fallocate", "-l", "1G", str(path)], check=True)
+    path.chmod(0o600)
+    subprocess.run(["mkswap", str(path)], check=True, capture_output=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -244,9 +251,7 @@ def main() -> None:
     lab.down()
     lab.up(2)
     swap_file = Path("/var/tmp/flexmig-bench-swapfile")
-    subprocess.run(["fallocate", "-l", "1G", str(swap_file)], check=True)
-    swap_file.chmod(0o600)
-    subprocess.run(["mkswap", str(swap_file)], check=True, capture_output=True)
+    make_swap_file(swap_file)
     lines = []
     try:
         for workload in args.workloads.split(","):

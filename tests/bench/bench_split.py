@@ -43,6 +43,7 @@ from flexmig import exceptions, migrate_cli
 from flexmig.migration.request import MAX_PARALLEL
 from flexmig_lab import image, vm, vmspec
 from flexmig_lab.lab import Lab
+from tests.bench import bench_modes
 from tests.bench.bench_modes import _lab_qemu_version, _measure
 
 BANDWIDTH_MIB = 100
@@ -278,9 +279,7 @@ def main() -> None:
     lab.down()
     lab.up(2)
     swap_file = Path("/var/tmp/flexmig-bench-split-swapfile")
-    subprocess.run(["fallocate", "-l", "1G", str(swap_file)], check=True)
-    swap_file.chmod(0o600)
-    subprocess.run(["mkswap", str(swap_file)], check=True, capture_output=True)
+    bench_modes.make_swap_file(swap_file)
     runs: dict[str, list[dict]] = {case: [] for case in cases}
     try:
         for _ in range(args.repeat):  # cases interleaved: a noisy spell hits all of them

@@ -22,13 +22,12 @@ import argparse
 import collections
 import re
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 from flexmig_lab import image
 from flexmig_lab.lab import Lab
-from tests.bench import bench_split, tracefs
+from tests.bench import bench_modes, bench_split, tracefs
 
 WORKLOAD = "dirtier:wss=400M,hot=64M,rate=2000"
 INSTANCE = "flexmig-gap"
@@ -205,9 +204,7 @@ def main() -> None:
     lab.down()
     lab.up(2)
     swap = Path("/var/tmp/flexmig-gap-trace-swapfile")
-    subprocess.run(["fallocate", "-l", "1G", str(swap)], check=True)
-    swap.chmod(0o600)
-    subprocess.run(["mkswap", str(swap)], check=True, capture_output=True)
+    bench_modes.make_swap_file(swap)
     try:
         for case in cases:
             started.clear()
