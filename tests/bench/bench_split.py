@@ -92,7 +92,7 @@ def offer_mb(case: str) -> int:
     return RAM_MIB * int(case.split("-")[1]) // 100 + QEMU_OVERHEAD_MB
 
 
-def _wait_ready(guest: vm.LabVM) -> None:
+def wait_ready(guest: vm.LabVM) -> None:
     """The working set is filled (TCG on a busy machine takes a while)."""
     deadline = time.monotonic() + READY_TIMEOUT_S
     while True:
@@ -105,7 +105,7 @@ def _wait_ready(guest: vm.LabVM) -> None:
             time.sleep(5)
 
 
-def _settle_samples() -> None:
+def settle_samples() -> None:
     """With background sampling (FLEXMIG_LAB_DIRTY_SAMPLE_REFRESH), wait until every
     sampling the agent keeps for the plan began after the working set was filled,
     as for a guest that has run steadily for a while: one begun during the fill
@@ -196,11 +196,11 @@ def one_run(lab: Lab, variant: str, swap_file: Path, workload: str) -> dict:
     backing = "anonymous" if case.startswith("swap") else "file"
     vm.create(lab, "A", name=name, ram=f"{RAM_MIB}M", workload=workload, memory_backing=backing)
     try:
-        _wait_ready(vm.LabVM(lab, name))
+        wait_ready(vm.LabVM(lab, name))
         lab.set_budget("B", offer_mb(case) if not case.startswith("swap") else 4096)
         if case.startswith("swap"):
             return run_swap(lab, name, swap_file)
-        _settle_samples()
+        settle_samples()
         return run_flexmig(lab, name, parallel)
     except exceptions.FlexMigError as exc:
         return dict(ok=False, time_s=math.nan, gap_ms=math.nan, bad=-1, note=str(exc)[:70])

@@ -30,7 +30,7 @@ from pathlib import Path
 from flexmig import migrate_cli
 from flexmig_lab import image, vm
 from flexmig_lab.lab import CGROUP_ROOT, Lab
-from tests.bench.bench_split import BANDWIDTH_MIB, RAM_MIB, WORKLOAD, _wait_ready, offer_mb
+from tests.bench.bench_split import BANDWIDTH_MIB, RAM_MIB, WORKLOAD, offer_mb, wait_ready
 from tests.bench.switchover_trace import checkpoints
 
 STAT_KEYS = (
@@ -192,7 +192,7 @@ def one(lab: Lab, budget_pct: int, index: int, workload: str, parallel: int = 0)
     vm.create(lab, "A", name=name, ram=f"{RAM_MIB}M", workload=workload, memory_backing="file")
     sampler = Sampler(lab, name)
     try:
-        _wait_ready(vm.LabVM(lab, name))
+        wait_ready(vm.LabVM(lab, name))
         if budget_pct < 100:
             lab.set_budget("B", offer_mb(f"split-{budget_pct}"))
         sampler.cap = budget_pct < 100

@@ -24,10 +24,12 @@ from pathlib import Path
 from flexmig import migrate_cli
 from flexmig_lab import heartbeat, vm
 from flexmig_lab.lab import Lab
+from tests.bench import bench_split
 from tests.bench.bench_modes import _lab_qemu_version
 
 OUT = Path("docs/benchmarks/switchover.md")
 SPLIT_BUDGET_MIB = 384  # 75 % of the guest, as bench_split's split-75
+HOT_SET = "dirtier:wss=400M,hot=64M,rate=2000"  # bench_split's workload
 CHECKPOINT_RE = re.compile(r"@(\d+\.\d+):vmstate_downtime_checkpoint (\S+)")
 # The destination's "running" (libvirt's `cont` done): where the guest may run.
 RUNNING_RE = re.compile(r"@(\d+\.\d+):runstate_set .*new_state \d+ \(running\)")
@@ -36,6 +38,11 @@ CASES = {
     "moderate precopy": dict(workload="dirtier:wss=128M,rate=4000", memory_backing="anonymous"),
     "file-backed precopy": dict(workload="dirtier:wss=200M,rate=2000", memory_backing="file"),
     "short-dest split": dict(workload="dirtier:wss=200M,rate=2000", memory_backing="file"),
+    # bench_split's guest: its enough case, and its split-35 (a 179 MiB budget).
+    "hot-set precopy": dict(workload=HOT_SET, memory_backing="file"),
+    "hot-set split": dict(
+        workload=HOT_SET, memory_backing="file", budget_mib=bench_split.offer_mb("split-35")
+    ),
 }
 
 
@@ -67,13 +74,22 @@ def beats_around_switch(lab: Lab, name: str) -> tuple[float, float]:
 def one(lab: Lab, case: str, index: int) -> str:
     name = f"sw{index}"
     lab.set_budget("B", 4096)
-    vm.create(lab, "A", name=name, ram="512M", **CASES[case])
+    spec = dict(CASES[case])
+    budget_mib = spec.pop("budget_mib", SPLIT_BUDGET_MIB)
+    vm.create(lab, "A", name=name, ram="512M", **spec)
     try:
+        if spec["workload"] == HOT_SET:  # as bench_split: filled, and sampled since
+            bench_split.wait_ready(vm.LabVM(lab, name))
         if case.endswith("split"):
-            lab.set_budget("B", SPLIT_BUDGET_MIB)
-        time.sleep(3)  # the guest's working set dirtied, as in bench_modes
+            lab.set_budget("B", budget_mib)
+        if spec["workload"] == HOT_SET:
+            bench_split.settle_samples()
+        else:
+            time.sleep(3)  # the guest's working set dirtied, as in bench_modes
         mode = case.split()[-1]  # "file-backed precopy" -> precopy
         r = migrate_cli.migrate(lab, name, "B", mode=mode, show=False, bandwidth_mib=100)
+        if r["state"] != "completed":
+            raise RuntimeError(f"{case}: the migration ended {r['state']}: {r.get('error')}")
         src, dst = checkpoints(lab, "A", name), checkpoints(lab, "B", name)
         last_byte = src["src-non-iterable-saved"]
         last_beat, first_beat = beats_around_switch(lab, name)
@@ -136,7 +152,8 @@ def main() -> int:
         f"FlexMig migrations A->B, 512 MiB TCG guests, stream capped at 100 MiB/s, QEMU "
         f"{_lab_qemu_version()} with its `vmstate_downtime_checkpoint` and `runstate_set` trace "
         f"events; split: B "
-        f"offers {SPLIT_BUDGET_MIB} MiB. Load average at the end {os.getloadavg()[0]:.1f}. "
+        f"offers {SPLIT_BUDGET_MIB} MiB (hot-set split: {bench_split.offer_mb('split-35')} MiB, "
+        f"as bench_split's split-35). Load average at the end {os.getloadavg()[0]:.1f}. "
         "Columns in ms: libvirt's downtime; the guest's heartbeat gap across the switchover; "
         "source stop to its last byte; last byte to the destination's load completion; that "
         "to the source's end of downtime (the destination's msync of file-backed RAM and its "

@@ -21,7 +21,7 @@ from pathlib import Path
 from agents.agent import residency
 from flexmig_lab import image, vm
 from flexmig_lab.lab import Lab
-from tests.bench.bench_split import RAM_MIB, _wait_ready
+from tests.bench.bench_split import RAM_MIB, wait_ready
 
 GOLDEN = 0x9E3779B97F4A7C15
 MASK = (1 << 64) - 1
@@ -76,7 +76,7 @@ def main() -> None:
             workload=f"dirtier:wss={args.wss},rate=2000",
             memory_backing="file",
         )
-        _wait_ready(vm.LabVM(lab, name))
+        wait_ready(vm.LabVM(lab, name))
         time.sleep(5)
         path = residency.GuestRam.find(_qemu_pid(name), RAM_MIB << 20).path
         wss, used = classify(path, RAM_MIB << 20)
