@@ -22,7 +22,7 @@ from flexmig_lab import image
 from flexmig_lab.lab import Lab
 from tests.bench import bench_split, tracefs
 
-WORKLOAD = "dirtier:wss=400M,hot=64M,rate=2000"
+WORKLOAD = bench_split.HOT_SET_WORKLOAD
 SHOWN = ("time_s", "gap_ms", "qemu_downtime_ms", "pred_downtime_ms", "pred_parts")
 
 

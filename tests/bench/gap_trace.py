@@ -29,7 +29,7 @@ from flexmig_lab import image
 from flexmig_lab.lab import Lab
 from tests.bench import bench_modes, bench_split, tracefs
 
-WORKLOAD = "dirtier:wss=400M,hot=64M,rate=2000"
+WORKLOAD = bench_split.HOT_SET_WORKLOAD
 INSTANCE = "flexmig-gap"
 LINE_RE = re.compile(r"^\s*(.+?)-(\d+)\s+\[\d+\]\s+\S+\s+(\d+\.\d+): (\w+): (.*)$")
 SWITCH_RE = re.compile(
