@@ -29,7 +29,7 @@ from tests.bench.bench_modes import _lab_qemu_version
 
 OUT = Path("docs/benchmarks/switchover.md")
 SPLIT_BUDGET_MIB = 384  # 75 % of the guest, as bench_split's split-75
-HOT_SET = "dirtier:wss=400M,hot=64M,rate=2000"  # bench_split's workload
+HOT_SET = bench_split.HOT_SET_WORKLOAD
 CHECKPOINT_RE = re.compile(r"@(\d+\.\d+):vmstate_downtime_checkpoint (\S+)")
 # The destination's "running" (libvirt's `cont` done): where the guest may run.
 RUNNING_RE = re.compile(r"@(\d+\.\d+):runstate_set .*new_state \d+ \(running\)")
@@ -153,7 +153,9 @@ def main() -> int:
         f"{_lab_qemu_version()} with its `vmstate_downtime_checkpoint` and `runstate_set` trace "
         f"events; split: B "
         f"offers {SPLIT_BUDGET_MIB} MiB (hot-set split: {bench_split.offer_mb('split-35')} MiB, "
-        f"as bench_split's split-35). Load average at the end {os.getloadavg()[0]:.1f}. "
+        f"bench_split's split-35 offer, a "
+        f"{bench_split.offer_mb('split-35') - bench_split.QEMU_OVERHEAD_MB} MiB budget). "
+        f"Load average at the end {os.getloadavg()[0]:.1f}. "
         "Columns in ms: libvirt's downtime; the guest's heartbeat gap across the switchover; "
         "source stop to its last byte; last byte to the destination's load completion; that "
         "to the source's end of downtime (the destination's msync of file-backed RAM and its "
