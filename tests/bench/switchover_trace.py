@@ -77,12 +77,13 @@ def one(lab: Lab, case: str, index: int) -> str:
     spec = dict(CASES[case])
     budget_mib = spec.pop("budget_mib", SPLIT_BUDGET_MIB)
     vm.create(lab, "A", name=name, ram="512M", **spec)
+    hot_set = spec["workload"] == HOT_SET  # as bench_split: filled, and sampled since
     try:
-        if spec["workload"] == HOT_SET:  # as bench_split: filled, and sampled since
+        if hot_set:
             bench_split.wait_ready(vm.LabVM(lab, name))
         if case.endswith("split"):
             lab.set_budget("B", budget_mib)
-        if spec["workload"] == HOT_SET:
+        if hot_set:
             bench_split.settle_samples()
         else:
             time.sleep(3)  # the guest's working set dirtied, as in bench_modes
