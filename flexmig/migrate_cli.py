@@ -120,8 +120,23 @@ def migrate(lab: Inventory, name: str, to: str, show: bool = True, **asked: Any)
         result["guest_switchover_gap_ms"] = round(beats.switchover_gap_ms, 1)
         result["guest_longest_gap_at_ms"] = round((beats.gap_start_ns - start_ns) / 1e6)
         result["heartbeat_hosts"] = "->".join(beats.hosts)
+        if record["state"] == "completed":
+            result["guest_gap_taught"] = _report_gap(agent, migration_id, beats.longest_gap_ms)
         result["verify"] = guest.verify()
     return result
+
+
+def _report_gap(agent: Any, migration_id: str, gap_ms: float) -> str:
+    """Tell the source agent what the guest noticed: its next forecasts to the
+    destination learn the guest's first run from it.  What it did, as text (a
+    report that fails costs the forecast a sample, not the migration)."""
+    try:
+        reply = agent.post(f"/v1/migrations/{migration_id}/guest-gap", {"gap_ms": gap_ms})
+    except exceptions.FlexMigError as exc:
+        return f"not reported: {exc}"
+    if reply.get("learnt"):
+        return "learnt by the source agent"
+    return f"not learnt: {reply.get('why')}"
 
 
 def follow(agent: Any, migration_id: str, label: str = "", show: bool = False) -> dict[str, Any]:

@@ -66,12 +66,35 @@ class LinkEstimate:
     switchover_s: float = 0.05
     timings_learned: int = 0  # completed jobs setup_s and switchover_s come from
     switchover_recent: list[float] = dataclasses.field(default_factory=list)  # newest last
+    # QEMU's side as plain precopy jobs measured it: [downtime less writeback,
+    # forecast copy] per job, newest last (downtime.qemu_side_sample).
+    qemu_side_recent: list[list[float]] = dataclasses.field(default_factory=list)
+    # The guest's first run, where a probe inside it reported its gap, newest last.
+    first_run_recent: list[float] = dataclasses.field(default_factory=list)
 
     @property
     def learnt_timings(self) -> bool:
         """Whether setup_s and switchover_s were learnt (the drain reads the same
         rule from the reported estimate)."""
         return planner.timings_were_learnt(self.timings_learned, self.stream_bps)
+
+    @property
+    def learnt_side(self) -> downtime.LearntSide:
+        """The medians of the recent jobs' QEMU side, copy and first run.
+
+        >>> LinkEstimate().learnt_side == downtime.NOTHING_LEARNT
+        True
+        >>> side = [[0.03, 0.01], [0.05, 0.002], [0.02, 0.02]]
+        >>> LinkEstimate(qemu_side_recent=side, first_run_recent=[0.04, 0.06]).learnt_side
+        LearntSide(qemu_s=0.03, copy_s=0.01, first_run_s=0.05)
+        """
+        if self.qemu_side_recent:
+            qemu_s = statistics.median(side for side, _copy in self.qemu_side_recent)
+            copy_s = statistics.median(copy for _side, copy in self.qemu_side_recent)
+        else:
+            qemu_s, copy_s = None, 0.0
+        first = statistics.median(self.first_run_recent) if self.first_run_recent else None
+        return downtime.LearntSide(qemu_s, copy_s, first)
 
     def learn(
         self,
@@ -101,7 +124,14 @@ class LinkEstimate:
         sample = downtime.switchover_sample(downtime_s, forecast or downtime.Forecast({}))
         self.switchover_recent = [*self.switchover_recent, sample][-SWITCHOVER_SAMPLES:]
         self.switchover_s = statistics.median(self.switchover_recent)
+        side = downtime.qemu_side_sample(downtime_s, forecast or downtime.Forecast({}))
+        self.qemu_side_recent = [*self.qemu_side_recent, list(side)][-SWITCHOVER_SAMPLES:]
         self.timings_learned += 1
+
+    def learn_first_run(self, guest_gap_s: float, downtime_s: float) -> None:
+        """One plain precopy job's guest-observed gap and libvirt downtime."""
+        sample = downtime.first_run_sample(guest_gap_s, downtime_s)
+        self.first_run_recent = [*self.first_run_recent, sample][-SWITCHOVER_SAMPLES:]
 
     def _learn_rate(self, bps: float, cap_bps: float | None) -> None:
         if not cap_held(bps, cap_bps):
@@ -140,9 +170,23 @@ learnt: they ran under a bandwidth cap)'
         f"learned from {count}: setup {link.setup_s:.2f} s, "
         f"switchover {link.switchover_s * 1000:.0f} ms"
     )
+    text += _describe_side(link.learnt_side)
     if link.stream_bps is None:
         return text + " (stream rate not learnt: they ran under a bandwidth cap)"
     return text + f", stream {link.stream_bps / 2**20:.0f} MiB/s"
+
+
+def _describe_side(side: downtime.LearntSide) -> str:
+    """
+    >>> _describe_side(downtime.LearntSide(0.031, 0.004, 0.042))
+    ", QEMU's downtime 31 ms, the guest's first run 42 ms"
+    >>> _describe_side(downtime.LearntSide(0.031, 0.004))
+    ", QEMU's downtime 31 ms"
+    """
+    text = f", QEMU's downtime {side.qemu_s * 1000:.0f} ms" if side.qemu_s is not None else ""
+    if side.first_run_s is not None:
+        text += f", the guest's first run {side.first_run_s * 1000:.0f} ms"
+    return text
 
 
 def teaches_the_link(mode: str, switched_to_postcopy: bool) -> bool:
@@ -247,6 +291,7 @@ class MigrationService:
                 setup_s=link.setup_s,
                 switchover_s=link.switchover_s,
                 switchover_learned=link.learnt_timings,
+                learnt=link.learnt_side,
             ),
             self.options,
             rdma_both_ends=self.rdma and dest_facts.get("rdma_provider") is True,
@@ -625,3 +670,31 @@ class MigrationService:
             return self.records[migration_id]
         except KeyError:
             raise exceptions.NotFound(what="migration", name=migration_id) from None
+
+    def report_guest_gap(self, migration_id: str, gap_ms: float) -> str | None:
+        """A probe inside the guest measured its longest heartbeat gap across a
+        completed migration: kept in its summary and, from a plain precopy job,
+        taught to the link as the guest's first run.  Returns why it taught
+        nothing, or None."""
+        record = self.get(migration_id)
+        with self.lock:
+            if record.state != "completed":
+                raise exceptions.InvalidInput(
+                    what="guest gap", reason=f"migration {migration_id} is {record.state}"
+                )
+            if "guest_observed_downtime_ms" in record.summary:
+                raise exceptions.InvalidInput(
+                    what="guest gap", reason=f"migration {migration_id}'s was reported already"
+                )
+            record.summary["guest_observed_downtime_ms"] = gap_ms
+        self.store.save(record)
+        summary = record.summary
+        if not teaches_the_link(summary.get("mode", ""), summary.get("switched_to_postcopy", True)):
+            return f"a {summary.get('mode')} job's gap holds more than the link's first run"
+        if summary.get("downtime_ms") is None:
+            return "libvirt reported no downtime for it"
+        with self.links_lock:
+            link = self.links.setdefault(record.dest, LinkEstimate())
+            link.learn_first_run(gap_ms / 1000, summary["downtime_ms"] / 1000)
+            self._save_links()
+        return None

@@ -54,6 +54,8 @@ MIGRATE_OPTIONAL = {
 }
 MAX_PROBE_MIB = 256
 MAX_INVENTORY_PEERS = 64
+# A guest heartbeat gap longer than this is no migration's (an hour: the CLI waits 30 min).
+MAX_GUEST_GAP_MS = 3_600_000
 # An incoming migration's writeback ends when the source says so; this bounds
 # it should the source never say (its agent died).
 INCOMING_WRITEBACK_MAX_S = 3600.0
@@ -123,6 +125,7 @@ class Agent:
         r.add("POST", "/v1/migrations", orchestrate(self.migrate))
         r.add("GET", r"/v1/migrations/(?P<id>[0-9a-f]+)", orchestrate(self.migration_status))
         r.add("GET", "/v1/migrations", orchestrate(self.list_migrations))
+        r.add("POST", r"/v1/migrations/(?P<id>[0-9a-f]+)/guest-gap", orchestrate(self.guest_gap))
 
     def expensive(self, handler: api.Handler) -> api.Handler:
         def gated(body: dict[str, Any], m: re.Match[str]) -> tuple[int, dict[str, Any]]:
@@ -538,6 +541,17 @@ class Agent:
     ) -> tuple[int, dict[str, Any]]:
         api.check_fields(body, {})
         return 200, self.migrations.get(m.group("id")).as_dict()
+
+    def guest_gap(self, body: dict[str, Any], m: re.Match[str]) -> tuple[int, dict[str, Any]]:
+        """A guest probe's longest heartbeat gap across a completed migration."""
+        api.check_fields(body, {"gap_ms": (int, float)})
+        if isinstance(body["gap_ms"], bool):
+            raise api.BadRequest(reason="field 'gap_ms' has the wrong type")
+        gap = float(body["gap_ms"])
+        if not 0 <= gap <= MAX_GUEST_GAP_MS:  # NaN fails this too
+            raise api.BadRequest(reason=f"gap_ms must be 0-{MAX_GUEST_GAP_MS} ms, not {gap}")
+        why = self.migrations.report_guest_gap(m.group("id"), gap)
+        return 200, {"learnt": why is None, "why": why}
 
 
 def limits(conf: cfg.ConfigOpts) -> listener.Limits:

@@ -13,6 +13,14 @@ and, after a postcopy switch, once the pages it touches first have arrived:
   downtime, which runs from the source's pause to the destination's QEMU
   running again (equal to within 2 ms in the same page's traces): the two
   parts are then one, "device state, finish and resume";
+- QEMU's side learnt whole: where earlier plain precopy jobs to the same
+  destination were measured, the stop-and-copy and the switchover are one
+  part, "QEMU's downtime, learnt": the median of those jobs' libvirt downtime
+  (less their writeback), which holds a usual final round's copy.  Only the
+  copy a plan forecasts beyond those jobs' own forecast copy is added.  Learnt
+  apart, a copy forecast short stayed in the learnt switchover and was counted
+  again where a later job's copy was forecast long: 37-56 ms forecast for QEMU
+  downtimes of 20-40 (``docs/benchmarks/split-first-run.md``);
 - the guest's first run in the destination's QEMU: a new process.  Under TCG
   every block of guest code the guest runs is translated again before it
   runs: from the destination's "running" to the guest's first heartbeat
@@ -20,7 +28,11 @@ and, after a postcopy switch, once the pages it touches first have arrived:
   hot-set guests, QEMU 10.0.13 and libvirt 9.0, 2026-12-02; 5-185, median
   94, with QEMU 10.0.2 and libvirt 11.3), against 0-6 ms after a pause and
   resume in the same process (``docs/benchmarks/switchover.md``).  Under
-  KVM nothing is translated; nothing measured here, counted as nothing;
+  KVM nothing is translated; nothing measured here, counted as nothing.
+  It is CPU work and follows the host's load: median 70 ms in one sitting
+  and 42 in the next (``docs/benchmarks/split-first-run-2.md``), so where a
+  probe inside the guest measured earlier precopy jobs to the destination
+  (their heartbeat gap less QEMU's downtime), their median is counted;
 - postcopy faults: after a switch, each page the guest touches that has not
   arrived is fetched on demand, behind the pages already queued on the stream
   unless postcopy-preempt gives faults a channel of their own (libvirt turns
@@ -71,20 +83,38 @@ PREEMPT_FAULT_BYTES = 20 * MIB
 FIRST_RUN_S = {"tcg": FIRST_RUN_TCG_S, "kvm": 0.0}
 
 LEARNT_SWITCHOVER = "device state, finish and resume"
-# What of libvirt's downtime a forecast counts per VM: this VM's last pages and
-# its destination's writeback.  A switchover learnt from that downtime is the
-# rest: learnt whole, a file-backed guest's msync (146 ms forecast for the
-# lab's 512 MiB guest) was counted once in the learnt switchover and again as
-# its own part, and the next forecast ran 25 % over (2026-11-28).
-PER_VM_PARTS = ("stop-and-copy", *writeback.PARTS)
+LEARNT_QEMU_SIDE = "QEMU's downtime, learnt"
+COPY_BEYOND_LEARNT = "stop-and-copy beyond the learnt"
+# What of libvirt's downtime a forecast counts per VM: this VM's last pages
+# (``Forecast.copy_ms``) and its destination's writeback.  A switchover learnt
+# from that downtime is the rest: learnt whole, a file-backed guest's msync
+# (146 ms forecast for the lab's 512 MiB guest) was counted once in the learnt
+# switchover and again as its own part, and the next forecast ran 25 % over
+# (2026-11-28).  The writeback stays out of a learnt QEMU side for the same reason.
 LEARNT_SWITCHOVER_MIN_S = 0.010
 NO_WRITEBACK = writeback.SwitchoverWriteback()
+
+
+@dataclasses.dataclass(frozen=True)
+class LearntSide:
+    """What earlier plain precopy jobs to one destination measured of the parts
+    every VM's downtime has (None: not measured)."""
+
+    qemu_s: float | None = None  # libvirt's downtime less the jobs' writeback: median
+    copy_s: float = 0.0  # the same jobs' forecast stop-and-copy: median
+    first_run_s: float | None = None  # the guest's gap less QEMU's downtime: median
+
+
+NOTHING_LEARNT = LearntSide()
 
 
 @dataclasses.dataclass(frozen=True)
 class Forecast:
     parts_ms: dict[str, float]
     reasons: tuple[str, ...] = ()  # how the parts that depend on the hosts were counted
+    # The plan's own stop-and-copy (a part only where QEMU's side is not learnt):
+    # what a job's downtime is learnt beside.
+    copy_ms: float = 0.0
 
     @property
     def total_ms(self) -> float:
@@ -114,12 +144,14 @@ def predict(
     dest_writeback: writeback.SwitchoverWriteback = NO_WRITEBACK,
     store_faults: split.StoreFaults = split.NO_FAULTS,
     first_run: float = 0.0,
+    learnt: LearntSide = NOTHING_LEARNT,
 ) -> Forecast:
     """The guest-observed downtime of a plan, part by part.
 
     ``resume_s`` None: ``switchover_s`` was learnt from libvirt's downtime,
     which holds libvirt's finish and resume; ``first_run`` the guest's first
-    run on the destination (``first_run_s``).
+    run on the destination (``first_run_s``); ``learnt`` what earlier jobs to
+    the destination measured, counted instead of the parts it covers.
 
     >>> from flexmig.policy.precopy import Prediction
     >>> p = Prediction("postcopy", (), True, "", 5.0, 0.05, 0.05, 1000)
@@ -145,25 +177,44 @@ def predict(
     >>> m = Prediction("precopy", (), True, "", 5.0, 0.05, 0.045, 0)
     >>> predict(m, "precopy", 0.04, 100 * MIB, False, None, first_run=0.07).describe()
     '115 ms (stop-and-copy 5, device state, finish and resume 40, first run 70)'
+
+    QEMU's side and the first run learnt: only the copy beyond the learnt
+    jobs' own forecast copy is added, and the copy is kept for learning:
+
+    >>> seen = LearntSide(qemu_s=0.03, copy_s=0.002, first_run_s=0.04)
+    >>> f = predict(m, "precopy", 0.04, 100 * MIB, False, None, first_run=0.07, learnt=seen)
+    >>> f.describe(), f.copy_ms
+    ("73 ms (QEMU's downtime, learnt 30, stop-and-copy beyond the learnt 3, first run 40)", 5.0)
     """
     final_faults_s = min(store_faults.final_round_s, prediction.downtime_s)
-    stop_copy_s = stop_and_copy_s(prediction, switchover_s, store_faults)
-    faults_s = 0.0
+    copy_s = stop_and_copy_s(prediction, switchover_s, store_faults)
+    parts = _qemu_side(copy_s, switchover_s, resume_s, learnt)
+    parts["first run"] = first_run if learnt.first_run_s is None else learnt.first_run_s
+    parts["postcopy faults"] = 0.0
     if transfer == "postcopy":
         queued = PREEMPT_FAULT_BYTES if preempt else FAULT_QUEUE_BYTES
-        faults_s = queued / bandwidth_bps
-    parts = {
-        "stop-and-copy": stop_copy_s,
-        "device state" if resume_s is not None else LEARNT_SWITCHOVER: switchover_s,
-        "finish and resume": resume_s or 0.0,
-        "first run": first_run,
-        "postcopy faults": faults_s,
-    }
+        parts["postcopy faults"] = queued / bandwidth_bps
     if store_faults.off_budget_bytes:
         parts["store faults"] = final_faults_s + store_faults.first_heartbeat_s
     parts |= dest_writeback.parts_s()
     reasons = (dest_writeback.reason,) if dest_writeback.reason else ()
-    return Forecast({name: round(s * 1000, 1) for name, s in parts.items()}, reasons)
+    return Forecast(
+        {name: round(s * 1000, 1) for name, s in parts.items()}, reasons, round(copy_s * 1000, 1)
+    )
+
+
+def _qemu_side(
+    copy_s: float, switchover_s: float, resume_s: float | None, learnt: LearntSide
+) -> dict[str, float]:
+    """QEMU's side of the downtime: learnt whole where measured, else copy plus switchover."""
+    if learnt.qemu_s is not None:
+        beyond = max(0.0, copy_s - learnt.copy_s)
+        return {LEARNT_QEMU_SIDE: learnt.qemu_s, COPY_BEYOND_LEARNT: beyond}
+    return {
+        "stop-and-copy": copy_s,
+        "device state" if resume_s is not None else LEARNT_SWITCHOVER: switchover_s,
+        "finish and resume": resume_s or 0.0,
+    }
 
 
 def stop_and_copy_s(
@@ -179,19 +230,48 @@ def stop_and_copy_s(
     return max(0.0, prediction.downtime_s - final_faults_s - switchover_s)
 
 
+def _writeback_s(forecast: Forecast) -> float:
+    return sum(forecast.parts_ms.get(name, 0.0) for name in writeback.PARTS) / 1000
+
+
 def switchover_sample(downtime_s: float, forecast: Forecast) -> float:
     """What one job's libvirt downtime says of the link's switchover: that
-    downtime less the parts its plan forecast per VM, never under 10 ms (a
-    forecast that overcounted them says nothing below that).
+    downtime less the parts its plan forecast per VM (its copy and its
+    destination's writeback), never under 10 ms (a forecast that overcounted
+    them says nothing below that).
 
-    >>> f = Forecast({"stop-and-copy": 11.0, "device state": 50.0, "destination msync": 116.0})
+    >>> f = Forecast({"device state": 50.0, "destination msync": 116.0}, copy_ms=11.0)
     >>> round(switchover_sample(0.190, f), 3), switchover_sample(0.110, f)
     (0.063, 0.01)
     >>> switchover_sample(0.045, Forecast({}))
     0.045
     """
-    per_vm_ms = sum(forecast.parts_ms.get(name, 0.0) for name in PER_VM_PARTS)
-    return max(LEARNT_SWITCHOVER_MIN_S, downtime_s - per_vm_ms / 1000)
+    per_vm_s = forecast.copy_ms / 1000 + _writeback_s(forecast)
+    return max(LEARNT_SWITCHOVER_MIN_S, downtime_s - per_vm_s)
+
+
+def qemu_side_sample(downtime_s: float, forecast: Forecast) -> tuple[float, float]:
+    """What one job's libvirt downtime says of QEMU's side on its link: (that
+    downtime less its destination's writeback, never under 10 ms; the copy its
+    plan forecast, which the first holds).
+
+    >>> f = Forecast({"destination msync": 116.0}, copy_ms=11.0)
+    >>> qemu_side_sample(0.190, f), qemu_side_sample(0.100, f)
+    ((0.074, 0.011), (0.01, 0.011))
+    """
+    side = max(LEARNT_SWITCHOVER_MIN_S, round(downtime_s - _writeback_s(forecast), 6))
+    return side, forecast.copy_ms / 1000
+
+
+def first_run_sample(guest_gap_s: float, downtime_s: float) -> float:
+    """The guest's first run on the destination, as one job measured it: its
+    heartbeat gap less QEMU's downtime (never below nothing: the heartbeat's own
+    period blurs both ends).
+
+    >>> round(first_run_sample(0.074, 0.031), 3), first_run_sample(0.020, 0.031)
+    (0.043, 0.0)
+    """
+    return max(0.0, round(guest_gap_s - downtime_s, 6))
 
 
 def over_budget(forecast_ms: float, budget_ms: int) -> str | None:

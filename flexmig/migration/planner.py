@@ -95,6 +95,10 @@ class LinkFacts:
     # switchover_s learnt from libvirt's downtime, which ends with the guest
     # running on the destination: it holds the finish and resume already.
     switchover_learned: bool = False
+    # QEMU's side and the guest's first run as earlier jobs measured them: the
+    # guest-observed forecast counts these (the plan's switchover_s stays the
+    # planner's, for what fits the budget).
+    learnt: downtime.LearntSide = downtime.NOTHING_LEARNT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,6 +341,7 @@ def guest_downtime(
         dest_writeback,
         decision.store_faults,
         downtime.first_run_s(vm.accelerator),
+        link.learnt,
     )
 
 

@@ -23,12 +23,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from flexmig.migration.downtime import LEARNT_SWITCHOVER, Forecast
+from flexmig.migration.downtime import LEARNT_QEMU_SIDE, LEARNT_SWITCHOVER, Forecast
 
 # A TCG guest's "first run" (translating its code again) is CPU work too, yet
 # counted as is: drain.md's gaps under a 5.5x stretch of the two parts below
 # (406-555 ms for idle guests, predicted 469) leave no room for a stretched 70 ms.
-CPU_PARTS = ("device state", "finish and resume", LEARNT_SWITCHOVER)
+# A QEMU side learnt whole holds a usual final round's copy beside the
+# switchover: stretched whole, as that copy is small beside it (1-18 ms
+# forecast against 20-40 ms downtimes, docs/benchmarks/split-first-run.md).
+CPU_PARTS = ("device state", "finish and resume", LEARNT_SWITCHOVER, LEARNT_QEMU_SIDE)
 THREADS_PER_STREAM = 2
 # A guest dirtying fewer pages a second than this is idle: its vCPU sleeps.
 BUSY_PAGES_PER_S = 100.0

@@ -63,9 +63,7 @@ def test_a_capped_job_that_stayed_under_its_cap_teaches_the_streams_rate():
 def test_the_learnt_switchover_leaves_out_what_the_forecast_counts_per_vm():
     """libvirt's downtime holds the VM's last pages and its destination's msync:
     the forecast counts those per VM, so the link's switchover is the rest."""
-    forecast = downtime.Forecast(
-        {"stop-and-copy": 10.0, "device state": 50.0, "destination msync": 100.0}
-    )
+    forecast = downtime.Forecast({"device state": 50.0, "destination msync": 100.0}, copy_ms=10.0)
     link = LinkEstimate()
     link.learn(job(59, 330, 6600, 190), cap_bps=100 * MIB, forecast=forecast)
     assert link.switchover_s == pytest.approx(0.080)
@@ -136,3 +134,38 @@ def test_plans_asked_together_share_one_probe_and_never_race_on_the_file(tmp_pat
     saved = json.loads(service.links_file.read_text())
     assert saved["10.250.0.2"]["timings_learned"] == 64
     assert service.links_snapshot() == saved
+
+
+def test_the_learnt_qemu_side_holds_the_copy_and_leaves_out_the_writeback():
+    """QEMU's side learnt whole: each job's downtime less its destination's msync
+    (forecast per VM), beside the copy that job's plan forecast."""
+    link = LinkEstimate()
+    assert link.learnt_side == downtime.NOTHING_LEARNT
+    msync = {"destination msync": 100.0}
+    for downtime_ms, copy_ms in ((130, 2.0), (125, 18.0), (170, 9.0), (105, 1.0)):
+        forecast = downtime.Forecast(msync, copy_ms=copy_ms)
+        link.learn(job(59, 330, 6600, downtime_ms), cap_bps=100 * MIB, forecast=forecast)
+    assert link.qemu_side_recent[0] == pytest.approx([0.030, 0.002])
+    assert link.qemu_side_recent[-1] == pytest.approx([0.010, 0.001])  # floored at 10 ms
+    side = link.learnt_side
+    assert side.qemu_s == pytest.approx(0.0275) and side.copy_s == pytest.approx(0.0055)
+    assert side.first_run_s is None
+    for n in range(10):
+        link.learn(job(59, 330, 6600, 140 + n), cap_bps=100 * MIB, forecast=forecast)
+    assert len(link.qemu_side_recent) == migrations.SWITCHOVER_SAMPLES
+    assert link.learnt_side.qemu_s == pytest.approx(0.047)  # 145-149 less the msync
+
+
+def test_the_first_run_is_the_median_of_the_last_reports():
+    link = LinkEstimate()
+    for gap_ms in (80, 70, 400, 60, 75, 65):
+        link.learn_first_run(gap_ms / 1000, 0.030)
+    assert link.first_run_recent == pytest.approx([0.040, 0.370, 0.030, 0.045, 0.035])
+    assert link.learnt_side.first_run_s == pytest.approx(0.040)
+    link.learn_first_run(0.010, 0.030)  # a gap inside QEMU's downtime: nothing
+    assert link.first_run_recent[-1] == 0.0
+
+
+def test_an_estimate_saved_before_these_were_learnt_loads_without_them():
+    saved = {"fabric_bps": 1.0, "stream_bps": 2.0, "switchover_s": 0.04, "timings_learned": 3}
+    assert LinkEstimate(**saved).learnt_side == downtime.NOTHING_LEARNT

@@ -328,3 +328,45 @@ def test_novas_path_ends_with_the_budgets_verdict():
     text, exceeded = completion_summary(plan, 40)
     assert not exceeded and "EXCEEDED" not in text
     assert not completion_summary(plan, None)[1]
+
+
+def test_a_learnt_qemu_side_counts_the_copy_once_and_a_learnt_first_run_replaces_the_constant():
+    """Where earlier precopy jobs to the destination were measured, QEMU's side is
+    their downtime (which held their own final round) plus only the copy this
+    plan forecasts beyond theirs; the first run is what the guest probe saw."""
+
+    def forecast(hot: bool, learnt: downtime.LearntSide) -> downtime.Forecast:
+        vm = dataclasses.replace(vm_facts(hot=hot, file_backed=False), accelerator="tcg")
+        link = planner.LinkFacts(
+            fabric_bps=300 * MIB, switchover_s=0.04, switchover_learned=True, learnt=learnt
+        )
+        plan = planner.plan(
+            MigrationRequest(vm="vm"),
+            vm,
+            planner.DestinationFacts(4096 * MIB, 8192 * MIB, software=BACKPORTS),
+            link,
+            EngineOptions(),
+        )
+        return plan.guest_downtime
+
+    unlearnt = forecast(False, downtime.NOTHING_LEARNT)
+    assert downtime.LEARNT_QEMU_SIDE not in unlearnt.parts_ms
+    side = downtime.LearntSide(qemu_s=0.027, copy_s=0.0, first_run_s=0.042)
+    learnt = forecast(False, side)
+    assert learnt.parts_ms[downtime.LEARNT_QEMU_SIDE] == 27
+    assert learnt.parts_ms["first run"] == 42
+    for apart in ("stop-and-copy", downtime.LEARNT_SWITCHOVER, "device state"):
+        assert apart not in learnt.parts_ms
+    copy = learnt.copy_ms
+    assert copy > 0
+    assert learnt.parts_ms[downtime.COPY_BEYOND_LEARNT] == pytest.approx(copy)
+    # the learnt jobs' own copy is inside their downtime: not counted again
+    same_copy = forecast(False, dataclasses.replace(side, copy_s=copy / 1000))
+    assert same_copy.parts_ms[downtime.COPY_BEYOND_LEARNT] == 0
+    assert same_copy.total_ms == pytest.approx(27 + 42)
+    # a plan whose final round is longer than the learnt jobs' adds what exceeds theirs
+    shorter = forecast(False, dataclasses.replace(side, copy_s=copy / 4000))
+    assert shorter.parts_ms[downtime.COPY_BEYOND_LEARNT] == pytest.approx(copy * 0.75, abs=0.1)
+    # without a guest probe's reports the first run stays the accelerator's
+    no_probe = forecast(False, dataclasses.replace(side, first_run_s=None))
+    assert no_probe.parts_ms["first run"] == pytest.approx(downtime.FIRST_RUN_TCG_S * 1000)

@@ -1,0 +1,85 @@
+"""A guest probe's heartbeat gap reported to the source agent: checked, kept in
+the migration's summary, and learnt as the destination's first run only from a
+plain precopy job."""
+
+import json
+
+import pytest
+
+from agents.agent.client import AgentClient
+from agents.agent.migration_records import MigrationRecord
+from flexmig import exceptions
+from flexmig.migration.request import MigrationRequest
+from tests.unit.test_agent_hardening import KEY, agent_conf, serving
+
+DEST = "10.0.0.2"
+
+
+def completed(agent, mid, mode="precopy", switched=False, downtime_ms=30, state="completed"):
+    rec = MigrationRecord(id=mid, request=MigrationRequest(vm=f"vm-{mid}"), dest=DEST, state=state)
+    rec.summary = {"mode": mode, "switched_to_postcopy": switched, "downtime_ms": downtime_ms}
+    agent.migrations.records[mid] = rec
+    return rec
+
+
+def post(port, mid, body):
+    return AgentClient("127.0.0.1", port, KEY).post(f"/v1/migrations/{mid}/guest-gap", body)
+
+
+def test_a_precopy_jobs_gap_teaches_the_first_run_and_is_kept(tmp_path):
+    with serving(agent_conf(tmp_path)) as (agent, port):
+        for mid, gap, qemu in (("a1", 74.0, 31), ("a2", 50.0, 40), ("a3", 100.0, 20)):
+            completed(agent, mid, downtime_ms=qemu)
+            assert post(port, mid, {"gap_ms": gap}) == {"learnt": True, "why": None}
+        link = agent.migrations.links[DEST]
+        assert link.first_run_recent == pytest.approx([0.043, 0.010, 0.080])
+        assert link.learnt_side.first_run_s == pytest.approx(0.043)
+        assert agent.migrations.get("a1").summary["guest_observed_downtime_ms"] == 74.0
+        saved = json.loads((tmp_path / "state" / "links.json").read_text())
+        assert saved[DEST]["first_run_recent"] == pytest.approx([0.043, 0.010, 0.080])
+
+
+def test_split_postcopy_and_unmeasured_jobs_are_kept_but_teach_nothing(tmp_path):
+    with serving(agent_conf(tmp_path)) as (agent, port):
+        completed(agent, "b1", mode="split")
+        completed(agent, "b2", mode="precopy", switched=True)
+        completed(agent, "b3", downtime_ms=None)
+        for mid in ("b1", "b2", "b3"):
+            reply = post(port, mid, {"gap_ms": 90})
+            assert reply["learnt"] is False and reply["why"]
+            assert agent.migrations.get(mid).summary["guest_observed_downtime_ms"] == 90
+        assert DEST not in agent.migrations.links
+
+
+@pytest.mark.parametrize(
+    ("body", "match"),
+    [
+        ({"gap_ms": -1}, "0-3600000"),
+        ({"gap_ms": 4e6}, "0-3600000"),
+        ({"gap_ms": "70"}, "wrong type"),
+        ({"gap_ms": True}, "wrong type"),
+        ({}, "missing field"),
+        ({"gap_ms": 70, "more": 1}, "unknown field"),
+    ],
+)
+def test_bad_reports_are_refused_and_change_nothing(tmp_path, body, match):
+    with serving(agent_conf(tmp_path)) as (agent, port):
+        completed(agent, "c1")
+        with pytest.raises(exceptions.InvalidInput, match=match):
+            post(port, "c1", body)
+        assert "guest_observed_downtime_ms" not in agent.migrations.get("c1").summary
+        assert DEST not in agent.migrations.links
+
+
+def test_a_running_unknown_or_reported_migration_is_refused(tmp_path):
+    with serving(agent_conf(tmp_path)) as (agent, port):
+        completed(agent, "d1", state="running")
+        with pytest.raises(exceptions.InvalidInput, match="is running"):
+            post(port, "d1", {"gap_ms": 70})
+        with pytest.raises(exceptions.FlexMigError, match="404"):
+            post(port, "d9", {"gap_ms": 70})
+        completed(agent, "d2")
+        post(port, "d2", {"gap_ms": 70})
+        with pytest.raises(exceptions.InvalidInput, match="reported already"):
+            post(port, "d2", {"gap_ms": 20})
+        assert agent.migrations.links[DEST].first_run_recent == pytest.approx([0.040])
