@@ -31,8 +31,20 @@ def test_moderate_vm_goes_by_precopy(lab):
         # B wrote the file-backed VM's memory back while pages arrived (QEMU
         # msyncs guest RAM inside the downtime)
         assert result["store_writeback_rounds"] > 0
+        # The guest's gap went to A's agent, which learnt B's first run from it
+        # and its QEMU side from the job: the next forecast to B counts both.
+        assert result["guest_gap_taught"] == "learnt by the source agent"
+        link = lab.agent("A").get("/v1/facts")["measured_links"][lab.destination("B")[1]["address"]]
+        gap, qemu = result["guest_observed_downtime_ms"], result["downtime_ms"]
+        assert link["first_run_recent"][-1] == pytest.approx(max(0.0, gap - qemu) / 1000, abs=1e-3)
+        assert link["qemu_side_recent"]
+        vm.create(lab, "A", ram="384M", workload="dirtier:wss=96M,rate=3000", name="moderate2")
+        plan = migrate_cli.explain(lab, "moderate2", "B")
+        assert "QEMU's downtime, learnt" in plan["explanation"], plan["explanation"]
+        assert "the guest's first run" in plan["explanation"]
     finally:
         vm.destroy(lab, "moderate")
+        vm.destroy(lab, "moderate2")
 
 
 HOT_LINK_MIB = 24
