@@ -34,7 +34,8 @@ from agents.agent import (
     sriov_failover,
 )
 from agents.agent.client import AgentClient
-from agents.agent.migrations import Destination, MigrationService, describe_learnt
+from agents.agent.link_estimate import describe_learnt
+from agents.agent.migrations import Destination, MigrationService
 from agents.agent.split_store import ChunkFlusher, ResidencyKeeper, SplitStore, check_name
 from flexmig import exceptions
 from flexmig.migration import options as migration_options

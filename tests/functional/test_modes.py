@@ -89,6 +89,10 @@ def test_short_destination_goes_by_split_and_caps_residency(lab):
         result = migrate_cli.migrate(lab, "big", "B", show=False)
         _assert_intact(result, "B")
         assert result["mode"] == "split"
+        # A split guest's first run is learnt apart (it reads back dropped pages).
+        assert result["guest_gap_taught"] == "learnt by the source agent"
+        link = lab.agent("A").get("/v1/facts")["measured_links"][lab.destination("B")[1]["address"]]
+        assert link["split_first_run_recent"]
         # The source told B's keeper which chunks the guest writes (hot_chunks.py).
         assert lab.agent("B").get("/v1/split/big")["residency"]["hinted_chunks"] > 0
         group = CGROUP_ROOT / "lab-b" / "big"

@@ -83,3 +83,20 @@ def test_a_running_unknown_or_reported_migration_is_refused(tmp_path):
         with pytest.raises(exceptions.InvalidInput, match="reported already"):
             post(port, "d2", {"gap_ms": 20})
         assert agent.migrations.links[DEST].first_run_recent == pytest.approx([0.040])
+
+
+def test_a_split_jobs_gap_teaches_splits_own_first_run_less_its_forecast_faults(tmp_path):
+    """A split guest reads back pages its keeper dropped once it runs: its first
+    run is its own, learnt apart from a precopy's, beside the faults its plan
+    forecast after the resume."""
+    with serving(agent_conf(tmp_path)) as (agent, port):
+        rec = completed(agent, "e1", mode="split", downtime_ms=35)
+        rec.summary["predicted_faults_after_resume_ms"] = 20.0
+        assert post(port, "e1", {"gap_ms": 148.0}) == {"learnt": True, "why": None}
+        completed(agent, "e2", downtime_ms=30)
+        post(port, "e2", {"gap_ms": 85.0})
+        link = agent.migrations.links[DEST]
+        assert link.split_first_run_recent == pytest.approx([0.093])
+        assert link.first_run_recent == pytest.approx([0.055])
+        side = link.learnt_side
+        assert (side.first_run_s, side.split_first_run_s) == pytest.approx((0.055, 0.093))

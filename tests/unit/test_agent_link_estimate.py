@@ -8,8 +8,8 @@ import types
 
 import pytest
 
-from agents.agent import migrations
-from agents.agent.migrations import LinkEstimate
+from agents.agent import link_estimate, migrations
+from agents.agent.link_estimate import LinkEstimate
 from flexmig.migration import downtime
 
 MIB = 2**20
@@ -152,7 +152,7 @@ def test_the_learnt_qemu_side_holds_the_copy_and_leaves_out_the_writeback():
     assert side.first_run_s is None
     for n in range(10):
         link.learn(job(59, 330, 6600, 140 + n), cap_bps=100 * MIB, forecast=forecast)
-    assert len(link.qemu_side_recent) == migrations.SWITCHOVER_SAMPLES
+    assert len(link.qemu_side_recent) == link_estimate.SWITCHOVER_SAMPLES
     assert link.learnt_side.qemu_s == pytest.approx(0.047)  # 145-149 less the msync
 
 

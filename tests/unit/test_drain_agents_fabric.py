@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from agents.agent.migrations import LinkEstimate
+from agents.agent.link_estimate import LinkEstimate
 from flexmig import drain_agents
 
 MIB = 2**20

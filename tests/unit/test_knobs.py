@@ -370,3 +370,14 @@ def test_a_learnt_qemu_side_counts_the_copy_once_and_a_learnt_first_run_replaces
     # without a guest probe's reports the first run stays the accelerator's
     no_probe = forecast(False, dataclasses.replace(side, first_run_s=None))
     assert no_probe.parts_ms["first run"] == pytest.approx(downtime.FIRST_RUN_TCG_S * 1000)
+
+
+def test_a_split_plan_counts_splits_own_learnt_first_run():
+    vm = dataclasses.replace(vm_facts(hot=False, file_backed=True), accelerator="tcg")
+    side = downtime.LearntSide(qemu_s=0.03, first_run_s=0.055, split_first_run_s=0.094)
+    link = planner.LinkFacts(fabric_bps=300 * MIB, switchover_learned=True, learnt=side)
+    dest = planner.DestinationFacts(4096 * MIB, 8192 * MIB, software=BACKPORTS)
+    enough = planner.plan(MigrationRequest(vm="vm"), vm, dest, link, EngineOptions())
+    assert enough.mode == "precopy" and enough.guest_downtime.parts_ms["first run"] == 55
+    split = planner.plan(MigrationRequest(vm="vm", mode="split"), vm, dest, link, EngineOptions())
+    assert split.mode == "split" and split.guest_downtime.parts_ms["first run"] == 94

@@ -1,0 +1,196 @@
+"""What a source agent has learnt of migrating to each destination: the
+stream's rate, setup and switchover, QEMU's side of the downtime and the
+guest's first run, from its completed jobs and guest-probe reports."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+
+from flexmig.migration import downtime, planner
+
+EWMA_WEIGHT = 0.5
+# The switchover is the median of the last few: one slow switchover on a loaded
+# host (a 390 ms guest gap among 133-ms ones, docs/benchmarks/downtime-first-run.md)
+# moved an average halfway and the next forecast with it.
+SWITCHOVER_SAMPLES = 5
+# A capped job whose average stays this far under its cap was not held by it:
+# the lab's TCG guest streamed 59 MiB/s under a 100 MiB/s cap, and forecasts
+# that assumed the cap were 30-40 % short (docs/benchmarks/split-kernel-lru.md).
+CAP_HELD_SHARE = 0.9
+
+
+@dataclasses.dataclass
+class LinkEstimate:
+    """What the agent has measured about migrating to one destination."""
+
+    fabric_bps: float = 0.0  # raw path, by probe
+    fabric_measured_at: float = 0.0
+    stream_bps: float | None = None  # QEMU's migration stream (memory_bps), learned
+    setup_s: float = 0.0  # job start until the first page moves
+    switchover_s: float = 0.05
+    timings_learned: int = 0  # completed jobs setup_s and switchover_s come from
+    switchover_recent: list[float] = dataclasses.field(default_factory=list)  # newest last
+    # QEMU's side as plain precopy jobs measured it: [downtime less writeback,
+    # forecast copy] per job, newest last (downtime.qemu_side_sample).
+    qemu_side_recent: list[list[float]] = dataclasses.field(default_factory=list)
+    # The guest's first run, where a probe inside it reported its gap, newest last.
+    first_run_recent: list[float] = dataclasses.field(default_factory=list)
+    # A split guest's first run, from split jobs' reports (their resumed guest
+    # reads back pages the keeper dropped), newest last.
+    split_first_run_recent: list[float] = dataclasses.field(default_factory=list)
+
+    @property
+    def learnt_timings(self) -> bool:
+        """Whether setup_s and switchover_s were learnt (the drain reads the same
+        rule from the reported estimate)."""
+        return planner.timings_were_learnt(self.timings_learned, self.stream_bps)
+
+    @property
+    def learnt_side(self) -> downtime.LearntSide:
+        """The medians of the recent jobs' QEMU side, copy and first run.
+
+        >>> LinkEstimate().learnt_side == downtime.NOTHING_LEARNT
+        True
+        >>> side = [[0.03, 0.01], [0.05, 0.002], [0.02, 0.02]]
+        >>> LinkEstimate(qemu_side_recent=side, first_run_recent=[0.04, 0.06]).learnt_side
+        LearntSide(qemu_s=0.03, copy_s=0.01, first_run_s=0.05, split_first_run_s=None)
+        >>> LinkEstimate(split_first_run_recent=[0.09]).learnt_side.split_first_run_s
+        0.09
+        """
+        if self.qemu_side_recent:
+            qemu_s = statistics.median(side for side, _copy in self.qemu_side_recent)
+            copy_s = statistics.median(copy for _side, copy in self.qemu_side_recent)
+        else:
+            qemu_s, copy_s = None, 0.0
+        return downtime.LearntSide(
+            qemu_s, copy_s, _median_or_none(self.first_run_recent),
+            _median_or_none(self.split_first_run_recent),
+        )  # fmt: skip
+
+    def learn(
+        self,
+        stats: dict[str, int],
+        cap_bps: float | None = None,
+        forecast: downtime.Forecast | None = None,
+    ) -> None:
+        """One completed precopy job's statistics.
+
+        ``cap_bps``: the job's bandwidth cap.  A job the cap held says only that
+        the stream carries at least that much; one that stayed under it moved at
+        the stream's own rate.  Either way its setup (the destination QEMU's
+        start) and switchover are the link's: without them a capped host's
+        forecasts missed seconds of setup.  ``forecast``: the job's downtime
+        forecast, whose per-VM parts are not the link's switchover."""
+        bps, elapsed_ms = stats.get("memory_bps", 0), stats.get("time_elapsed", 0)
+        if bps <= 0 or elapsed_ms <= 0:
+            return
+        downtime_s = stats.get("downtime", 0) / 1000
+        transfer_s = stats.get("memory_processed", 0) / bps
+        setup = max(0.0, elapsed_ms / 1000 - transfer_s - downtime_s)
+        had_timings = self.learnt_timings
+        self._learn_rate(bps, cap_bps)
+        self.setup_s = _ewma(self.setup_s if had_timings else None, setup)
+        if had_timings and not self.switchover_recent:  # saved before the samples were
+            self.switchover_recent = [self.switchover_s]
+        sample = downtime.switchover_sample(downtime_s, forecast or downtime.Forecast({}))
+        self.switchover_recent = [*self.switchover_recent, sample][-SWITCHOVER_SAMPLES:]
+        self.switchover_s = statistics.median(self.switchover_recent)
+        side = downtime.qemu_side_sample(downtime_s, forecast or downtime.Forecast({}))
+        self.qemu_side_recent = [*self.qemu_side_recent, list(side)][-SWITCHOVER_SAMPLES:]
+        self.timings_learned += 1
+
+    def learn_first_run(
+        self, guest_gap_s: float, downtime_s: float, split_faults_s: float | None = None
+    ) -> None:
+        """One job's guest-observed gap and libvirt downtime: a plain precopy's,
+        or (``split_faults_s``: the store faults its plan forecast after the
+        resume) a split's."""
+        if split_faults_s is None:
+            sample = downtime.first_run_sample(guest_gap_s, downtime_s)
+            self.first_run_recent = [*self.first_run_recent, sample][-SWITCHOVER_SAMPLES:]
+            return
+        sample = downtime.first_run_sample(guest_gap_s, downtime_s, split_faults_s)
+        recent = [*self.split_first_run_recent, sample]
+        self.split_first_run_recent = recent[-SWITCHOVER_SAMPLES:]
+
+    def _learn_rate(self, bps: float, cap_bps: float | None) -> None:
+        if not cap_held(bps, cap_bps):
+            self.stream_bps = _ewma(self.stream_bps, bps)
+        elif self.stream_bps is not None and bps > self.stream_bps:
+            self.stream_bps = float(bps)  # a floor: the stream carried at least this
+
+
+def cap_held(bps: float, cap_bps: float | None) -> bool:
+    """Whether a job's bandwidth cap, not the stream, set its rate.
+
+    >>> MIB = 2**20
+    >>> cap_held(98 * MIB, 100 * MIB), cap_held(59 * MIB, 100 * MIB), cap_held(59 * MIB, None)
+    (True, False, False)
+    """
+    return cap_bps is not None and bps >= CAP_HELD_SHARE * cap_bps
+
+
+def describe_learnt(link: LinkEstimate) -> str:
+    """What the agent has learnt of a destination, for a plan's explanation.
+
+    >>> describe_learnt(LinkEstimate())
+    'no migration to this destination measured yet'
+    >>> describe_learnt(LinkEstimate(setup_s=1.5, switchover_s=0.04, timings_learned=2))
+    'learned from 2 earlier migration(s): setup 1.50 s, switchover 40 ms (stream rate not \
+learnt: they ran under a bandwidth cap)'
+    >>> describe_learnt(LinkEstimate(stream_bps=2**27, setup_s=1.0, timings_learned=1))
+    'learned from 1 earlier migration(s): setup 1.00 s, switchover 50 ms, stream 128 MiB/s'
+    >>> describe_learnt(LinkEstimate(stream_bps=2**27, setup_s=1.0))
+    'learned from earlier: setup 1.00 s, switchover 50 ms, stream 128 MiB/s'
+    """
+    if not link.learnt_timings:
+        return "no migration to this destination measured yet"
+    count = f"{link.timings_learned} earlier migration(s)" if link.timings_learned else "earlier"
+    text = (
+        f"learned from {count}: setup {link.setup_s:.2f} s, "
+        f"switchover {link.switchover_s * 1000:.0f} ms"
+    )
+    text += _describe_side(link.learnt_side)
+    if link.stream_bps is None:
+        return text + " (stream rate not learnt: they ran under a bandwidth cap)"
+    return text + f", stream {link.stream_bps / 2**20:.0f} MiB/s"
+
+
+def _describe_side(side: downtime.LearntSide) -> str:
+    """
+    >>> _describe_side(downtime.LearntSide(0.031, 0.004, 0.042))
+    ", QEMU's downtime 31 ms, the guest's first run 42 ms"
+    >>> _describe_side(downtime.LearntSide(0.031, 0.004))
+    ", QEMU's downtime 31 ms"
+    >>> _describe_side(downtime.LearntSide(0.031, 0.004, 0.042, 0.094))
+    ", QEMU's downtime 31 ms, the guest's first run 42 ms, a split guest's 94 ms"
+    """
+    text = f", QEMU's downtime {side.qemu_s * 1000:.0f} ms" if side.qemu_s is not None else ""
+    if side.first_run_s is not None:
+        text += f", the guest's first run {side.first_run_s * 1000:.0f} ms"
+    if side.split_first_run_s is not None:
+        text += f", a split guest's {side.split_first_run_s * 1000:.0f} ms"
+    return text
+
+
+def teaches_the_link(mode: str, switched_to_postcopy: bool) -> bool:
+    """Whether a completed job's statistics say what the link does: a plain
+    precopy's do; a split's switchover also holds the store's work (a 500 ms
+    "switchover" learnt from one made the next precopy's forecast 320 ms), and a
+    postcopy's statistics end at the switch.
+
+    >>> teaches_the_link("precopy", False), teaches_the_link("split", False)
+    (True, False)
+    >>> teaches_the_link("postcopy", True), teaches_the_link("precopy", True)
+    (False, False)
+    """
+    return mode == "precopy" and not switched_to_postcopy
+
+
+def _median_or_none(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def _ewma(current: float | None, sample: float) -> float:
+    return sample if current is None else current + EWMA_WEIGHT * (sample - current)
