@@ -267,6 +267,13 @@ def test_the_guest_downtime_forecast_counts_post_switch_faults():
     assert "finish and resume 35" in precopy.explain()
 
 
+def _enough_ram_forecast(vm, link: planner.LinkFacts) -> downtime.Forecast:
+    """The guest-observed forecast of ``vm``'s move to a host with room for it."""
+    dest = planner.DestinationFacts(4096 * MIB, 8192 * MIB, software=BACKPORTS)
+    plan = planner.plan(MigrationRequest(vm="vm"), vm, dest, link, EngineOptions())
+    return plan.guest_downtime
+
+
 def test_a_learnt_switchover_holds_the_resume_and_a_tcg_guest_pays_its_first_run():
     # libvirt's downtime (what the agent learns the switchover from) ends with the
     # destination's QEMU running: equal to the traced source stop -> destination
@@ -277,14 +284,7 @@ def test_a_learnt_switchover_holds_the_resume_and_a_tcg_guest_pays_its_first_run
         link = planner.LinkFacts(
             fabric_bps=300 * MIB, switchover_s=0.04, switchover_learned=learned
         )
-        plan = planner.plan(
-            MigrationRequest(vm="vm"),
-            vm,
-            planner.DestinationFacts(4096 * MIB, 8192 * MIB, software=BACKPORTS),
-            link,
-            EngineOptions(),
-        )
-        return plan.guest_downtime
+        return _enough_ram_forecast(vm, link)
 
     guessed, learnt = forecast("kvm", learned=False), forecast("kvm", learned=True)
     assert guessed.parts_ms["device state"] == 40 and guessed.parts_ms["finish and resume"] == 35
@@ -340,14 +340,7 @@ def test_a_learnt_qemu_side_counts_the_copy_once_and_a_learnt_first_run_replaces
         link = planner.LinkFacts(
             fabric_bps=300 * MIB, switchover_s=0.04, switchover_learned=True, learnt=learnt
         )
-        plan = planner.plan(
-            MigrationRequest(vm="vm"),
-            vm,
-            planner.DestinationFacts(4096 * MIB, 8192 * MIB, software=BACKPORTS),
-            link,
-            EngineOptions(),
-        )
-        return plan.guest_downtime
+        return _enough_ram_forecast(vm, link)
 
     unlearnt = forecast(False, downtime.NOTHING_LEARNT)
     assert downtime.LEARNT_QEMU_SIDE not in unlearnt.parts_ms
