@@ -93,11 +93,12 @@ class LinkEstimate:
         self.setup_s = _ewma(self.setup_s if had_timings else None, setup)
         if had_timings and not self.switchover_recent:  # saved before the samples were
             self.switchover_recent = [self.switchover_s]
-        sample = downtime.switchover_sample(downtime_s, forecast or downtime.Forecast({}))
-        self.switchover_recent = [*self.switchover_recent, sample][-SWITCHOVER_SAMPLES:]
+        forecast = forecast or downtime.Forecast({})
+        sample = downtime.switchover_sample(downtime_s, forecast)
+        self.switchover_recent = _recent(self.switchover_recent, sample)
         self.switchover_s = statistics.median(self.switchover_recent)
-        side = downtime.qemu_side_sample(downtime_s, forecast or downtime.Forecast({}))
-        self.qemu_side_recent = [*self.qemu_side_recent, list(side)][-SWITCHOVER_SAMPLES:]
+        side = downtime.qemu_side_sample(downtime_s, forecast)
+        self.qemu_side_recent = _recent(self.qemu_side_recent, list(side))
         self.timings_learned += 1
 
     def learn_first_run(
@@ -106,13 +107,11 @@ class LinkEstimate:
         """One job's guest-observed gap and libvirt downtime: a plain precopy's,
         or (``split_faults_s``: the store faults its plan forecast after the
         resume) a split's."""
+        sample = downtime.first_run_sample(guest_gap_s, downtime_s, split_faults_s or 0.0)
         if split_faults_s is None:
-            sample = downtime.first_run_sample(guest_gap_s, downtime_s)
-            self.first_run_recent = [*self.first_run_recent, sample][-SWITCHOVER_SAMPLES:]
-            return
-        sample = downtime.first_run_sample(guest_gap_s, downtime_s, split_faults_s)
-        recent = [*self.split_first_run_recent, sample]
-        self.split_first_run_recent = recent[-SWITCHOVER_SAMPLES:]
+            self.first_run_recent = _recent(self.first_run_recent, sample)
+        else:
+            self.split_first_run_recent = _recent(self.split_first_run_recent, sample)
 
     def _learn_rate(self, bps: float, cap_bps: float | None) -> None:
         if not cap_held(bps, cap_bps):
@@ -186,6 +185,11 @@ def teaches_the_link(mode: str, switched_to_postcopy: bool) -> bool:
     (False, False)
     """
     return mode == "precopy" and not switched_to_postcopy
+
+
+def _recent(values: list, sample: object) -> list:
+    """``values`` with ``sample`` added, the newest SWITCHOVER_SAMPLES kept."""
+    return [*values, sample][-SWITCHOVER_SAMPLES:]
 
 
 def _median_or_none(values: list[float]) -> float | None:

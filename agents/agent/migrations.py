@@ -518,9 +518,9 @@ class MigrationService:
 
     def report_guest_gap(self, migration_id: str, gap_ms: float) -> str | None:
         """A probe inside the guest measured its longest heartbeat gap across a
-        completed migration: kept in its summary and, from a plain precopy job,
-        taught to the link as the guest's first run.  Returns why it taught
-        nothing, or None."""
+        completed migration: kept in its summary and, from a plain precopy or a
+        split job, taught to the link as that kind of guest's first run.
+        Returns why it taught nothing, or None."""
         record = self.get(migration_id)
         with self.lock:
             if record.state != "completed":
@@ -534,8 +534,9 @@ class MigrationService:
             record.summary["guest_observed_downtime_ms"] = gap_ms
         self.store.save(record)
         summary = record.summary
+        # Only a split job's summary has it (_summary).
         split_faults_ms = summary.get("predicted_faults_after_resume_ms")
-        is_split = summary.get("mode") == "split" and split_faults_ms is not None
+        is_split = split_faults_ms is not None
         if not is_split and not teaches_the_link(
             summary.get("mode", ""), summary.get("switched_to_postcopy", True)
         ):

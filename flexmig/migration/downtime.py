@@ -102,8 +102,9 @@ NO_WRITEBACK = writeback.SwitchoverWriteback()
 
 @dataclasses.dataclass(frozen=True)
 class LearntSide:
-    """What earlier plain precopy jobs to one destination measured of the parts
-    every VM's downtime has (None: not measured)."""
+    """What earlier jobs to one destination measured of the parts every VM's
+    downtime has (None: not measured): plain precopy jobs, and split jobs for a
+    split guest's first run."""
 
     qemu_s: float | None = None  # libvirt's downtime less the jobs' writeback: median
     copy_s: float = 0.0  # the same jobs' forecast stop-and-copy: median
