@@ -168,6 +168,20 @@ def destroy_incoming(lab, source_name, host_name, name, after_bytes=4 << 20):
     return copied
 
 
+def wait_running(lab, host_name, name, timeout=10.0):
+    """The VM runs on ``host_name`` (a failed migration's source must resume it)."""
+    host = lab.host(host_name)
+
+    def running():
+        with hypervisor.connect(host.local_uri, host.name) as conn:
+            dom = hypervisor.find_domain(conn, name)
+            return dom is not None and dom.state()[0] == libvirt.VIR_DOMAIN_RUNNING
+
+    processutil.wait_for(
+        running, timeout=timeout, interval=0.1, what=f"{name} running on {host_name}"
+    )
+
+
 def check_counted_once(services, to, frm, sport, sent, received, port):
     """Destination totals = every packet the switches saw, the source shows nothing."""
     # What was received counted (shown counters lag by a revalidator push and a
@@ -291,6 +305,7 @@ def _fail_a_migration(lab, services, guest, recv, sport, here, there):
     record = migrate_cli.follow(agent, mid)
     assert record["state"] == "failed"
     assert guest.locate() == here
+    wait_running(lab, here, "flowvm")  # kept running, never left paused
     flow = wait_flow(
         services[here], sport, lambda f: f["state"] == "offloaded",
         "the flow re-offloaded on the source", timeout=5,

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TextIO
 
 POLL_INTERVAL = 0.02
+CONNECT_TIMEOUT = 0.5
 
 
 class Recorder:
@@ -46,6 +47,9 @@ class Recorder:
             if host in self.conns or not os.path.exists(path):
                 continue
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            # A listener whose backlog is full (a QEMU not accepting) would
+            # otherwise block connect, and the recorder with it, for good.
+            sock.settimeout(CONNECT_TIMEOUT)
             try:
                 sock.connect(path)
             except OSError:

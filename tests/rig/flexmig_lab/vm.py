@@ -71,12 +71,51 @@ class LabVM:
                     return line.split(marker, 1)[1]
             return None
 
-        text = processutil.wait_for(
-            reply, timeout=timeout, interval=0.1, what=f"guest {self.name} to answer {cmd!r}"
-        )
+        try:
+            text = processutil.wait_for(
+                reply, timeout=timeout, interval=0.1, what=f"guest {self.name} to answer {cmd!r}"
+            )
+        except exceptions.Timeout as exc:
+            raise exceptions.GuestError(
+                vm=self.name, reason=f"{exc}; {self.describe_reachability()}"
+            ) from exc
         if text.startswith("error="):
             raise exceptions.GuestError(vm=self.name, reason=f"{cmd}: {text}")
         return text
+
+    def describe_reachability(self) -> str:
+        """Where the VM runs and in what state, and what its recorder last saw:
+        for the message of a command that got no answer."""
+        states = []
+        for host in self.lab.hosts():
+            try:
+                with hypervisor.connect(host.local_uri, host.name) as conn:
+                    dom = hypervisor.find_domain(conn, self.name)
+                    state = "absent" if dom is None else _STATE_NAMES.get(dom.state()[0], "other")
+                    if dom is not None and dom.state()[0] == libvirt.VIR_DOMAIN_PAUSED:
+                        state += f" (reason {dom.state()[1]})"
+            except (libvirt.libvirtError, exceptions.FlexMigError) as exc:
+                state = f"unknown ({exc})"
+            states.append(f"{host.name}: {state}")
+        beats = _tail(self.dir / "heartbeat.log", 1)
+        now = time.monotonic_ns()
+        last_beat = "none"
+        if beats:
+            stamp, host = beats[0].split()[:2]
+            last_beat = f"from {host} {(now - int(stamp)) / 1e9:.1f} s ago"
+        events = " | ".join(_tail(self.dir / "events.log", 6))
+        errors = " | ".join(_tail(self.dir / "recorder.log", 4)) or "none"
+        return (
+            f"the VM on {', '.join(states)}; recorder {self._recorder_state()}, "
+            f"last heartbeat {last_beat}; last events: {events}; recorder's errors: {errors}"
+        )
+
+    def _recorder_state(self) -> str:
+        try:
+            pid = int((self.dir / "recorder.pid").read_text())
+        except (OSError, ValueError):
+            return "never started"
+        return "running" if os.path.exists(f"/proc/{pid}") else f"gone (pid {pid})"
 
     def verify(self) -> dict[str, int]:
         """Run the guest's verifier: pages, ok, bad, lost, written, ms."""
@@ -323,3 +362,23 @@ def _run_with_progress(
                 control(dom, stats, time.monotonic() - start)
     if errors:
         raise errors[0]
+
+
+_STATE_NAMES = {
+    libvirt.VIR_DOMAIN_RUNNING: "running",
+    libvirt.VIR_DOMAIN_PAUSED: "paused",
+    libvirt.VIR_DOMAIN_SHUTOFF: "shut off",
+    libvirt.VIR_DOMAIN_CRASHED: "crashed",
+}
+
+
+def _tail(path, lines: int) -> list[str]:
+    """The last ``lines`` lines of a recorder log ([] if it is not there)."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            text = f.read().decode("ascii", "replace")
+    except OSError:
+        return []
+    return text.splitlines()[-lines:] if text else []
