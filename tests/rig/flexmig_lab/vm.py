@@ -91,9 +91,7 @@ class LabVM:
             try:
                 with hypervisor.connect(host.local_uri, host.name) as conn:
                     dom = hypervisor.find_domain(conn, self.name)
-                    state = "absent" if dom is None else _STATE_NAMES.get(dom.state()[0], "other")
-                    if dom is not None and dom.state()[0] == libvirt.VIR_DOMAIN_PAUSED:
-                        state += f" (reason {dom.state()[1]})"
+                    state = "absent" if dom is None else _state_name(*dom.state())
             except (libvirt.libvirtError, exceptions.FlexMigError) as exc:
                 state = f"unknown ({exc})"
             states.append(f"{host.name}: {state}")
@@ -370,6 +368,11 @@ _STATE_NAMES = {
     libvirt.VIR_DOMAIN_SHUTOFF: "shut off",
     libvirt.VIR_DOMAIN_CRASHED: "crashed",
 }
+
+
+def _state_name(state: int, reason: int) -> str:
+    name = _STATE_NAMES.get(state, "other")
+    return f"{name} (reason {reason})" if state == libvirt.VIR_DOMAIN_PAUSED else name
 
 
 def _tail(path, lines: int) -> list[str]:
