@@ -15,6 +15,7 @@ from collections.abc import Callable
 import libvirt
 
 from flexmig import exceptions, hypervisor, processutil
+from flexmig.migration import reconcile
 from flexmig_lab import heartbeat, image, recorder, vmspec
 from flexmig_lab.lab import Lab
 
@@ -197,11 +198,7 @@ class LabVM:
             )
         except exceptions.Timeout as exc:
             # Say what the recorder last saw: connections, guest lines, its errors.
-            tail = []
-            for log in ("events.log", "recorder.log"):
-                path = self.dir / log
-                if path.exists():
-                    tail += path.read_text(errors="replace").splitlines()[-4:]
+            tail = _tail(self.dir / "events.log", 4) + _tail(self.dir / "recorder.log", 4)
             raise exceptions.GuestError(vm=self.name, reason=f"{exc}; last: {tail}") from exc
 
 
@@ -362,17 +359,10 @@ def _run_with_progress(
         raise errors[0]
 
 
-_STATE_NAMES = {
-    libvirt.VIR_DOMAIN_RUNNING: "running",
-    libvirt.VIR_DOMAIN_PAUSED: "paused",
-    libvirt.VIR_DOMAIN_SHUTOFF: "shut off",
-    libvirt.VIR_DOMAIN_CRASHED: "crashed",
-}
-
-
 def _state_name(state: int, reason: int) -> str:
-    name = _STATE_NAMES.get(state, "other")
-    return f"{name} (reason {reason})" if state == libvirt.VIR_DOMAIN_PAUSED else name
+    """The domain as the agent's reconcile reads it, libvirt's codes unless it runs."""
+    view = reconcile.domain_view(True, state, reason)
+    return view if view == reconcile.RUNNING else f"{view} (state {state}, reason {reason})"
 
 
 def _tail(path, lines: int) -> list[str]:
