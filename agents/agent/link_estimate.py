@@ -18,6 +18,9 @@ SWITCHOVER_SAMPLES = 5
 # the lab's TCG guest streamed 59 MiB/s under a 100 MiB/s cap, and forecasts
 # that assumed the cap were 30-40 % short (docs/benchmarks/split-kernel-lru.md).
 CAP_HELD_SHARE = 0.9
+# A split guest's first run is a line in the share of it stored, which needs
+# jobs at several budgets: three budgets' worth of the recent ones.
+SPLIT_FIRST_RUN_SAMPLES = 3 * SWITCHOVER_SAMPLES
 
 
 @dataclasses.dataclass
@@ -37,8 +40,10 @@ class LinkEstimate:
     # The guest's first run, where a probe inside it reported its gap, newest last.
     first_run_recent: list[float] = dataclasses.field(default_factory=list)
     # A split guest's first run, from split jobs' reports (their resumed guest
-    # reads back pages the keeper dropped), newest last.
-    split_first_run_recent: list[float] = dataclasses.field(default_factory=list)
+    # reads back pages the keeper dropped): [the share of the VM its plan left
+    # in the store, first run] per job, newest last.  A bare number: a job
+    # learnt before shares were, kept for the median.
+    split_first_run_recent: list[list[float] | float] = dataclasses.field(default_factory=list)
 
     @property
     def learnt_timings(self) -> bool:
@@ -54,9 +59,9 @@ class LinkEstimate:
         True
         >>> side = [[0.03, 0.01], [0.05, 0.002], [0.02, 0.02]]
         >>> LinkEstimate(qemu_side_recent=side, first_run_recent=[0.04, 0.06]).learnt_side
-        LearntSide(qemu_s=0.03, copy_s=0.01, first_run_s=0.05, split_first_run_s=None)
-        >>> LinkEstimate(split_first_run_recent=[0.09]).learnt_side.split_first_run_s
-        0.09
+        LearntSide(qemu_s=0.03, copy_s=0.01, first_run_s=0.05, split_first_run=None)
+        >>> LinkEstimate(split_first_run_recent=[0.09, [0.5, 0.07]]).learnt_side.split_first_run
+        SplitFirstRun(base_s=0.08, per_share_s=0.0)
         """
         if self.qemu_side_recent:
             qemu_s = statistics.median(side for side, _copy in self.qemu_side_recent)
@@ -65,7 +70,7 @@ class LinkEstimate:
             qemu_s, copy_s = None, 0.0
         return downtime.LearntSide(
             qemu_s, copy_s, _median_or_none(self.first_run_recent),
-            _median_or_none(self.split_first_run_recent),
+            downtime.fit_split_first_run(_split_points(self.split_first_run_recent)),
         )  # fmt: skip
 
     def learn(
@@ -102,16 +107,24 @@ class LinkEstimate:
         self.timings_learned += 1
 
     def learn_first_run(
-        self, guest_gap_s: float, downtime_s: float, split_faults_s: float | None = None
+        self,
+        guest_gap_s: float,
+        downtime_s: float,
+        split_faults_s: float | None = None,
+        stored_share: float | None = None,
     ) -> None:
         """One job's guest-observed gap and libvirt downtime: a plain precopy's,
         or (``split_faults_s``: the store faults its plan forecast after the
-        resume) a split's."""
+        resume; ``stored_share``: the share of the VM it left in the store, None
+        where its plan did not say) a split's."""
         sample = downtime.first_run_sample(guest_gap_s, downtime_s, split_faults_s or 0.0)
         if split_faults_s is None:
             self.first_run_recent = _recent(self.first_run_recent, sample)
-        else:
-            self.split_first_run_recent = _recent(self.split_first_run_recent, sample)
+            return
+        point = sample if stored_share is None else [stored_share, sample]
+        self.split_first_run_recent = _recent(
+            self.split_first_run_recent, point, SPLIT_FIRST_RUN_SAMPLES
+        )
 
     def _learn_rate(self, bps: float, cap_bps: float | None) -> None:
         if not cap_held(bps, cap_bps):
@@ -162,14 +175,20 @@ def _describe_side(side: downtime.LearntSide) -> str:
     ", QEMU's downtime 31 ms, the guest's first run 42 ms"
     >>> _describe_side(downtime.LearntSide(0.031, 0.004))
     ", QEMU's downtime 31 ms"
-    >>> _describe_side(downtime.LearntSide(0.031, 0.004, 0.042, 0.094))
+    >>> _describe_side(downtime.LearntSide(0.031, 0.004, 0.042, downtime.SplitFirstRun(0.094)))
     ", QEMU's downtime 31 ms, the guest's first run 42 ms, a split guest's 94 ms"
+    >>> line = downtime.SplitFirstRun(0.02, 0.14)
+    >>> _describe_side(downtime.LearntSide(0.031, 0.004, None, line))
+    ", QEMU's downtime 31 ms, a split guest's 20 ms plus 14 ms per 10 % of it stored"
     """
     text = f", QEMU's downtime {side.qemu_s * 1000:.0f} ms" if side.qemu_s is not None else ""
     if side.first_run_s is not None:
         text += f", the guest's first run {side.first_run_s * 1000:.0f} ms"
-    if side.split_first_run_s is not None:
-        text += f", a split guest's {side.split_first_run_s * 1000:.0f} ms"
+    line = side.split_first_run
+    if line is not None:
+        text += f", a split guest's {line.base_s * 1000:.0f} ms"
+        if line.per_share_s:
+            text += f" plus {line.per_share_s * 100:.0f} ms per 10 % of it stored"
     return text
 
 
@@ -187,9 +206,18 @@ def teaches_the_link(mode: str, switched_to_postcopy: bool) -> bool:
     return mode == "precopy" and not switched_to_postcopy
 
 
-def _recent(values: list, sample: object) -> list:
-    """``values`` with ``sample`` added, the newest SWITCHOVER_SAMPLES kept."""
-    return [*values, sample][-SWITCHOVER_SAMPLES:]
+def _recent(values: list, sample: object, keep: int = SWITCHOVER_SAMPLES) -> list:
+    """``values`` with ``sample`` added, the newest ``keep`` kept."""
+    return [*values, sample][-keep:]
+
+
+def _split_points(recent: list[list[float] | float]) -> list[tuple[float | None, float]]:
+    """(stored share or None, first run) of each recorded split job.
+
+    >>> _split_points([0.09, [0.5, 0.07]])
+    [(None, 0.09), (0.5, 0.07)]
+    """
+    return [(None, p) if isinstance(p, int | float) else (p[0], p[1]) for p in recent]
 
 
 def _median_or_none(values: list[float]) -> float | None:

@@ -502,6 +502,9 @@ class MigrationService:
                 if plan.mode == "split"
                 else None
             ),
+            "predicted_stored_share": (
+                plan.decision.store_faults.stored_share if plan.mode == "split" else None
+            ),
             "downtime_parts_ms": downtime.measured(stats),
             # QEMU's own downtime is a floor of what the guest noticed: a
             # budget it alone exceeds is reported here (the guest's view, where
@@ -549,6 +552,7 @@ class MigrationService:
                 gap_ms / 1000,
                 summary["downtime_ms"] / 1000,
                 split_faults_ms / 1000 if is_split else None,
+                summary.get("predicted_stored_share"),
             )
             self._save_links()
         return None

@@ -37,7 +37,12 @@ and, after a postcopy switch, once the pages it touches first have arrived:
   QEMU's downtime and the store faults forecast after the resume): the resumed
   guest reads back pages the keeper dropped, and its first run ran median 94
   ms against a precopy's 55 on the same host in one sitting, 76 against 66
-  over two (``docs/benchmarks/split-learnt-side-b.md``);
+  over two (``docs/benchmarks/split-learnt-side-b.md``).  It grows with the
+  share of the VM left in the store, since a touch of a random page faults
+  with that chance: 49-104 ms at a 75 % budget, 101-177 at 50 and 35 %
+  (``docs/benchmarks/split-sitting-d-loaded.md``), so it is learnt as a base
+  plus a part per share stored (``fit_split_first_run``), one median only
+  until split jobs at different budgets were measured;
 - postcopy faults: after a switch, each page the guest touches that has not
   arrived is fetched on demand, behind the pages already queued on the stream
   unless postcopy-preempt gives faults a channel of their own (libvirt turns
@@ -55,6 +60,8 @@ and, after a postcopy switch, once the pages it touches first have arrived:
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import statistics
 
 from flexmig.migration import writeback
 from flexmig.policy import split
@@ -100,6 +107,32 @@ LEARNT_SWITCHOVER_MIN_S = 0.010
 NO_WRITEBACK = writeback.SwitchoverWriteback()
 
 
+# A line through split first runs needs split jobs whose stored shares differ
+# by at least this much (one budget's runs spread by tens of ms: their
+# differences say nothing of a slope) and this many such pairs.
+MIN_SHARE_SPREAD = 0.1
+MIN_SLOPE_PAIRS = 3
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitFirstRun:
+    """A split guest's first run as split jobs to one destination measured it:
+    a base, plus a part that grows with the share of the VM's memory left in
+    the store when it resumes (the whole VM stored: ``per_share_s``)."""
+
+    base_s: float
+    per_share_s: float = 0.0
+
+    def at(self, stored_share: float) -> float:
+        """
+        >>> round(SplitFirstRun(0.02, 0.14).at(0.3), 3), SplitFirstRun(0.09).at(0.6)
+        (0.062, 0.09)
+        >>> SplitFirstRun(-0.05, 0.1).at(0.2)
+        0.0
+        """
+        return max(0.0, round(self.base_s + self.per_share_s * stored_share, 6))
+
+
 @dataclasses.dataclass(frozen=True)
 class LearntSide:
     """What earlier jobs to one destination measured of the parts every VM's
@@ -111,20 +144,55 @@ class LearntSide:
     first_run_s: float | None = None  # the guest's gap less QEMU's downtime: median
     # A split guest's, from split jobs: its gap less QEMU's downtime and the
     # store faults its plan forecast (the resumed guest reads dropped pages back).
-    split_first_run_s: float | None = None
+    split_first_run: SplitFirstRun | None = None
 
-    def for_mode(self, mode: str) -> LearntSide:
-        """What a plan of ``mode`` counts: a split guest its own first run where learnt.
+    def for_mode(self, mode: str, stored_share: float = 0.0) -> LearntSide:
+        """What a plan of ``mode`` counts: a split guest its own first run where
+        learnt, at the share of it the plan leaves in the store.
 
-        >>> seen = LearntSide(first_run_s=0.055, split_first_run_s=0.094)
-        >>> seen.for_mode("split").first_run_s, seen.for_mode("precopy").first_run_s
-        (0.094, 0.055)
-        >>> LearntSide(first_run_s=0.055).for_mode("split").first_run_s
+        >>> seen = LearntSide(first_run_s=0.055, split_first_run=SplitFirstRun(0.02, 0.14))
+        >>> seen.for_mode("split", 0.5).first_run_s, seen.for_mode("precopy").first_run_s
+        (0.09, 0.055)
+        >>> LearntSide(first_run_s=0.055).for_mode("split", 0.5).first_run_s
         0.055
         """
-        if mode != "split" or self.split_first_run_s is None:
+        if mode != "split" or self.split_first_run is None:
             return self
-        return dataclasses.replace(self, first_run_s=self.split_first_run_s)
+        return dataclasses.replace(self, first_run_s=self.split_first_run.at(stored_share))
+
+
+def fit_split_first_run(points: list[tuple[float | None, float]]) -> SplitFirstRun | None:
+    """A split guest's first run from split jobs' (stored share, first run)
+    points (share None: a job recorded before shares were): the Theil-Sen line,
+    the median of the slopes between jobs at different shares, never falling
+    (more of the VM stored never makes the first run shorter), through the
+    median of what is left; one median where too few jobs differ in share.
+    Medians, not least squares: one stalled run (a 936 ms first run among
+    50-120 ms ones, docs/benchmarks/split-learnt-side.md) moves neither.
+
+    >>> d = [(0.3, 0.104), (0.6, 0.106), (0.8, 0.120), (0.3, 0.060), (0.6, 0.177),
+    ...      (0.8, 0.101), (0.3, 0.049), (0.6, 0.125), (0.8, 0.114)]
+    >>> line = fit_split_first_run(d)
+    >>> round(line.at(0.3), 3), round(line.at(0.8), 3)
+    (0.085, 0.12)
+    >>> fit_split_first_run([(0.3, 0.104), (0.6, 0.2), (None, 0.09)])
+    SplitFirstRun(base_s=0.104, per_share_s=0.0)
+    >>> fit_split_first_run([]) is None
+    True
+    """
+    if not points:
+        return None
+    known = [(x, y) for x, y in points if x is not None]
+    slopes = [
+        (y2 - y1) / (x2 - x1)
+        for (x1, y1), (x2, y2) in itertools.combinations(known, 2)
+        if abs(x2 - x1) >= MIN_SHARE_SPREAD
+    ]
+    if len(slopes) < MIN_SLOPE_PAIRS:
+        return SplitFirstRun(round(statistics.median(y for _x, y in points), 6))
+    slope = max(0.0, statistics.median(slopes))
+    base = statistics.median(y - slope * x for x, y in known)
+    return SplitFirstRun(round(base, 6), round(slope, 6))
 
 
 NOTHING_LEARNT = LearntSide()

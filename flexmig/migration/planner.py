@@ -341,7 +341,7 @@ def guest_downtime(
         dest_writeback,
         decision.store_faults,
         downtime.first_run_s(vm.accelerator),
-        link.learnt.for_mode(decision.mode),
+        link.learnt.for_mode(decision.mode, decision.store_faults.stored_share),
     )
 
 

@@ -72,6 +72,9 @@ class StoreFaults:
     final_round: int  # faults while the final round lands (QEMU's downtime)
     first_heartbeat: int  # faults of the resumed guest before its first heartbeat
     fault_s: float
+    # Of the VM's resident memory, the share beyond the room, in the store at
+    # resume: the chance that the resumed guest's touch of a page faults.
+    stored_share: float = 0.0
 
     @property
     def final_round_s(self) -> float:
@@ -162,8 +165,8 @@ def faults(
     >>> p = precopy.Prediction("precopy", (), True, "", 2.6, 260 * MIB, 0.1, 0)
     >>> d = DirtyModel(m_pages=32768, tau_s=0.5)
     >>> f = faults(p, x, StoreFacts(179 * MIB, 400 * MIB, 64 * MIB, fault_s=0.02), d)
-    >>> f.off_budget_bytes // MIB, f.final_round, f.first_heartbeat
-    (38, 10, 0)
+    >>> f.off_budget_bytes // MIB, f.final_round, f.first_heartbeat, f.stored_share
+    (38, 10, 0, 0.6484)
     >>> huge = DirtyModel(m_pages=10**9, tau_s=0.5)
     >>> faults(p, x, StoreFacts(179 * MIB, 400 * MIB, 64 * MIB), huge).off_budget_bytes // MIB
     422
@@ -171,14 +174,29 @@ def faults(
     final = final_round_bytes(pre, xfer)
     headroom = headroom_bytes(final, xfer.bandwidth_bps, store.budget_bytes)
     capped = dataclasses.replace(dirty, m_pages=min(dirty.m_pages, xfer.ram_pages))
-    return store_faults(
+    room = max(0, store.budget_bytes - headroom - store.qemu_own_bytes)
+    found = store_faults(
         capped.m_pages * xfer.page_size,
-        max(0, store.budget_bytes - headroom - store.qemu_own_bytes),
+        room,
         final,
         capped.initial_rate(),
         store.fault_or_assumed_s(),
         xfer.page_size,
     )
+    return dataclasses.replace(
+        found, stored_share=stored_share(xfer.resident_pages * xfer.page_size, room)
+    )
+
+
+def stored_share(resident_bytes: float, room_bytes: float) -> float:
+    """The share of a VM's resident memory that does not fit its room.
+
+    >>> stored_share(400 * MIB, 100 * MIB), stored_share(400 * MIB, 500 * MIB), stored_share(0, 1)
+    (0.75, 0.0, 0.0)
+    """
+    if resident_bytes <= 0:
+        return 0.0
+    return round(max(0.0, resident_bytes - room_bytes) / resident_bytes, 4)
 
 
 def dirty_at_completion(final_round: float, bandwidth_bps: float) -> float:

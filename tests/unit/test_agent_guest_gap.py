@@ -9,6 +9,7 @@ import pytest
 from agents.agent.client import AgentClient
 from agents.agent.migration_records import MigrationRecord
 from flexmig import exceptions
+from flexmig.migration import downtime
 from flexmig.migration.request import MigrationRequest
 from tests.unit.test_agent_hardening import KEY, agent_conf, serving
 
@@ -88,15 +89,51 @@ def test_a_running_unknown_or_reported_migration_is_refused(tmp_path):
 def test_a_split_jobs_gap_teaches_splits_own_first_run_less_its_forecast_faults(tmp_path):
     """A split guest reads back pages its keeper dropped once it runs: its first
     run is its own, learnt apart from a precopy's, beside the faults its plan
-    forecast after the resume."""
+    forecast after the resume and the share of it the plan left stored."""
     with serving(agent_conf(tmp_path)) as (agent, port):
         rec = completed(agent, "e1", mode="split", downtime_ms=35)
-        rec.summary["predicted_faults_after_resume_ms"] = 20.0
+        rec.summary |= {"predicted_faults_after_resume_ms": 20.0, "predicted_stored_share": 0.4}
         assert post(port, "e1", {"gap_ms": 148.0}) == {"learnt": True, "why": None}
         completed(agent, "e2", downtime_ms=30)
         post(port, "e2", {"gap_ms": 85.0})
         link = agent.migrations.links[DEST]
-        assert link.split_first_run_recent == pytest.approx([0.093])
+        assert link.split_first_run_recent == [[0.4, pytest.approx(0.093)]]
         assert link.first_run_recent == pytest.approx([0.055])
         side = link.learnt_side
-        assert (side.first_run_s, side.split_first_run_s) == pytest.approx((0.055, 0.093))
+        assert side.first_run_s == pytest.approx(0.055)
+        assert side.split_first_run == downtime.SplitFirstRun(pytest.approx(0.093))
+        saved = json.loads((tmp_path / "state" / "links.json").read_text())
+        assert saved[DEST]["split_first_run_recent"] == [[0.4, pytest.approx(0.093)]]
+
+
+def test_split_jobs_at_several_budgets_teach_a_first_run_growing_with_the_share_stored(
+    tmp_path,
+):
+    """The less of a split VM its budget holds, the more of its first touches
+    fault: jobs at three budgets teach a line, and a roomy budget's forecast
+    stays under a tight one's instead of sharing one median."""
+    runs = [(0.3, 104), (0.6, 106), (0.8, 120), (0.3, 60), (0.6, 177), (0.8, 101)]
+    with serving(agent_conf(tmp_path)) as (agent, port):
+        for n, (share, first_run_ms) in enumerate(runs):
+            rec = completed(agent, f"f{n}", mode="split", downtime_ms=40)
+            rec.summary |= {
+                "predicted_faults_after_resume_ms": 0.0,
+                "predicted_stored_share": share,
+            }
+            post(port, f"f{n}", {"gap_ms": 40.0 + first_run_ms})
+        line = agent.migrations.links[DEST].learnt_side.split_first_run
+    assert line.per_share_s > 0
+    one_median = 0.1125  # of the six first runs
+    assert line.at(0.3) < one_median < line.at(0.8)
+
+
+def test_a_saved_split_first_run_without_a_share_still_loads_and_counts(tmp_path):
+    """links.json written before shares were recorded: its bare split first runs
+    load (a TypeError would drop every learnt link) and count in the median."""
+    conf = agent_conf(tmp_path)
+    state = tmp_path / "state"
+    state.mkdir(parents=True, exist_ok=True)
+    (state / "links.json").write_text(json.dumps({DEST: {"split_first_run_recent": [0.09, 0.11]}}))
+    with serving(conf) as (agent, _port):
+        line = agent.migrations.links[DEST].learnt_side.split_first_run
+    assert line == downtime.SplitFirstRun(pytest.approx(0.10))

@@ -367,10 +367,17 @@ def test_a_learnt_qemu_side_counts_the_copy_once_and_a_learnt_first_run_replaces
 
 def test_a_split_plan_counts_splits_own_learnt_first_run():
     vm = dataclasses.replace(vm_facts(hot=False, file_backed=True), accelerator="tcg")
-    side = downtime.LearntSide(qemu_s=0.03, first_run_s=0.055, split_first_run_s=0.094)
+    line = downtime.SplitFirstRun(base_s=0.02, per_share_s=0.1)
+    side = downtime.LearntSide(qemu_s=0.03, first_run_s=0.055, split_first_run=line)
     link = planner.LinkFacts(fabric_bps=300 * MIB, switchover_learned=True, learnt=side)
     dest = planner.DestinationFacts(4096 * MIB, 8192 * MIB, software=BACKPORTS)
     enough = planner.plan(MigrationRequest(vm="vm"), vm, dest, link, EngineOptions())
     assert enough.mode == "precopy" and enough.guest_downtime.parts_ms["first run"] == 55
-    split = planner.plan(MigrationRequest(vm="vm", mode="split"), vm, dest, link, EngineOptions())
-    assert split.mode == "split" and split.guest_downtime.parts_ms["first run"] == 94
+    tight = dataclasses.replace(dest, free_for_vms_bytes=300 * MIB)  # 200 MiB resident
+    split = planner.plan(MigrationRequest(vm="vm", mode="split"), vm, tight, link, EngineOptions())
+    share = split.decision.store_faults.stored_share
+    assert split.mode == "split" and 0 < share < 1
+    # the line at the share this plan leaves stored, not the precopy's 55 ms
+    assert split.guest_downtime.parts_ms["first run"] == pytest.approx(
+        (0.02 + 0.1 * share) * 1000, abs=0.1
+    )

@@ -23,7 +23,6 @@ from flexmig import exceptions  # noqa: E402
 from flexmig.migration import facts  # noqa: E402
 from flexmig.migration.options import EngineOptions  # noqa: E402
 from flexmig.migration.request import MigrationRequest  # noqa: E402
-from flexmig.policy import split  # noqa: E402
 from nova_driver import planning  # noqa: E402
 from nova_driver.migrate_data import DestinationOffer, MoverOffer  # noqa: E402
 
@@ -256,7 +255,7 @@ def test_both_paths_plan_a_split_from_the_agents_background_samples(tmp_path, mo
     assert agent.mode == nova.mode == "split", agent.explain()
     assert agent.decision == nova.decision and agent.guest_downtime == nova.guest_downtime
     assert nova.decision.store_faults.off_budget_bytes > 0, nova.explain()
-    assert sampled_now.decision.store_faults == split.NO_FAULTS, sampled_now.explain()
+    assert sampled_now.decision.store_faults.off_budget_bytes == 0, sampled_now.explain()
 
 
 def test_both_paths_refuse_the_same_vm_with_the_same_reasons(tmp_path, monkeypatch):

@@ -234,7 +234,10 @@ def test_split_forecast_adds_faults_on_the_rewritten_set_beyond_the_budget():
     from flexmig.policy import split
 
     roomy = decide(_split_inputs(400, 0.02))  # 240 MiB budget: 156 MiB of room
-    assert roomy.mode == "split" and roomy.store_faults == split.NO_FAULTS
+    assert roomy.mode == "split"
+    assert dataclasses.replace(roomy.store_faults, stored_share=0.0) == split.NO_FAULTS
+    # no faults, yet 512 MiB resident in 156 MiB of room: the rest is stored
+    assert roomy.store_faults.stored_share == pytest.approx(1 - 156 / 512, abs=0.01)
     tight = decide(_split_inputs(300, 0.02))  # 140 MiB budget: 56 MiB of room
     assert tight.memory_budget_bytes == 140 * MIB
     # 128 - 56 = 72 MiB off budget: 19 windows of 4 MiB, all reached by the final round.
