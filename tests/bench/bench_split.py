@@ -151,6 +151,8 @@ def run_flexmig(lab: Lab, name: str, parallel: int = 0) -> dict:
         cap_hits=(status.get("cgroup") or {}).get("limit_hits"),
         note=(result.get("error") or "")[:60],
         pred_parts=result.get("predicted_downtime_parts_ms"),  # printed per run, for the reading
+        # The share of the VM its plan left in the store: what the first run is learnt beside.
+        stored_share=result.get("predicted_stored_share"),  # printed per run
         # QEMU's own memory shares the cap with the guest's RAM: printed per run.
         own_mib=((keeper.get("charge_bytes") or 0) - (keeper.get("guest_resident_bytes") or 0))
         / 2**20,
