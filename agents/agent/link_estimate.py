@@ -211,13 +211,25 @@ def _recent(values: list, sample: object, keep: int = SWITCHOVER_SAMPLES) -> lis
     return [*values, sample][-keep:]
 
 
-def _split_points(recent: list[list[float] | float]) -> list[tuple[float | None, float]]:
-    """(stored share or None, first run) of each recorded split job.
+def _split_points(recent: list) -> list[tuple[float | None, float]]:
+    """(stored share or None, first run) of each recorded split job; an entry
+    of neither shape (a hand-edited links.json) is passed over, not a planning
+    error on every later split to the destination.
 
-    >>> _split_points([0.09, [0.5, 0.07]])
+    >>> _split_points([0.09, [0.5, 0.07], [0.5], "x", [0.2, None], True])
     [(None, 0.09), (0.5, 0.07)]
     """
-    return [(None, p) if isinstance(p, int | float) else (p[0], p[1]) for p in recent]
+    points = []
+    for entry in recent:
+        if _is_number(entry):
+            points.append((None, float(entry)))
+        elif isinstance(entry, list) and len(entry) == 2 and all(map(_is_number, entry)):
+            points.append((float(entry[0]), float(entry[1])))
+    return points
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _median_or_none(values: list[float]) -> float | None:
