@@ -44,6 +44,9 @@ class LinkEstimate:
     # in the store, first run] per job, newest last.  A bare number: a job
     # learnt before shares were, kept for the median.
     split_first_run_recent: list[list[float] | float] = dataclasses.field(default_factory=list)
+    # QEMU's side of split jobs, [downtime less writeback and final-round store
+    # faults, forecast copy] per job, newest last (downtime.split_qemu_side_sample).
+    split_qemu_side_recent: list[list[float]] = dataclasses.field(default_factory=list)
 
     @property
     def learnt_timings(self) -> bool:
@@ -59,18 +62,17 @@ class LinkEstimate:
         True
         >>> side = [[0.03, 0.01], [0.05, 0.002], [0.02, 0.02]]
         >>> LinkEstimate(qemu_side_recent=side, first_run_recent=[0.04, 0.06]).learnt_side
-        LearntSide(qemu_s=0.03, copy_s=0.01, first_run_s=0.05, split_first_run=None)
+        LearntSide(qemu_s=0.03, copy_s=0.01, first_run_s=0.05, split_first_run=None, \
+split_qemu_s=None, split_copy_s=0.0)
         >>> LinkEstimate(split_first_run_recent=[0.09, [0.5, 0.07]]).learnt_side.split_first_run
         SplitFirstRun(base_s=0.08, per_share_s=0.0)
         """
-        if self.qemu_side_recent:
-            qemu_s = statistics.median(side for side, _copy in self.qemu_side_recent)
-            copy_s = statistics.median(copy for _side, copy in self.qemu_side_recent)
-        else:
-            qemu_s, copy_s = None, 0.0
+        qemu_s, copy_s = _median_side(self.qemu_side_recent)
+        split_qemu_s, split_copy_s = _median_side(self.split_qemu_side_recent)
         return downtime.LearntSide(
             qemu_s, copy_s, _median_or_none(self.first_run_recent),
             downtime.fit_split_first_run(_split_points(self.split_first_run_recent)),
+            split_qemu_s, split_copy_s,
         )  # fmt: skip
 
     def learn(
@@ -105,6 +107,19 @@ class LinkEstimate:
         side = downtime.qemu_side_sample(downtime_s, forecast)
         self.qemu_side_recent = _recent(self.qemu_side_recent, list(side))
         self.timings_learned += 1
+
+    def learn_split_side(
+        self, stats: dict[str, int], forecast: downtime.Forecast, final_round_faults_s: float
+    ) -> None:
+        """One completed split job's QEMU side: its libvirt downtime less its
+        destination's writeback and the final round's store faults its plan
+        forecast.  Nothing else of it is the link's (``teaches_the_link``)."""
+        if stats.get("downtime") is None:
+            return
+        side = downtime.split_qemu_side_sample(
+            stats["downtime"] / 1000, forecast, final_round_faults_s
+        )
+        self.split_qemu_side_recent = _recent(self.split_qemu_side_recent, list(side))
 
     def learn_first_run(
         self,
@@ -180,6 +195,8 @@ def _describe_side(side: downtime.LearntSide) -> str:
     >>> line = downtime.SplitFirstRun(0.02, 0.14)
     >>> _describe_side(downtime.LearntSide(0.031, 0.004, None, line))
     ", QEMU's downtime 31 ms, a split guest's 20 ms plus 14 ms per 10 % of it stored"
+    >>> _describe_side(downtime.LearntSide(None, 0.0, None, None, 0.022, 0.02))
+    ", split jobs' QEMU downtime 22 ms"
     """
     text = f", QEMU's downtime {side.qemu_s * 1000:.0f} ms" if side.qemu_s is not None else ""
     if side.first_run_s is not None:
@@ -189,6 +206,8 @@ def _describe_side(side: downtime.LearntSide) -> str:
         text += f", a split guest's {line.base_s * 1000:.0f} ms"
         if line.per_share_s:
             text += f" plus {line.per_share_s * 100:.0f} ms per 10 % of it stored"
+    if side.split_qemu_s is not None:
+        text += f", split jobs' QEMU downtime {side.split_qemu_s * 1000:.0f} ms"
     return text
 
 
@@ -230,6 +249,20 @@ def _split_points(recent: list) -> list[tuple[float | None, float]]:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _median_side(recent: list[list[float]]) -> tuple[float | None, float]:
+    """The median QEMU side and forecast copy of [side, copy] samples (None, 0: none).
+
+    >>> _median_side([[0.03, 0.01], [0.05, 0.002], [0.02, 0.02]]), _median_side([])
+    ((0.03, 0.01), (None, 0.0))
+    """
+    if not recent:
+        return None, 0.0
+    return (
+        statistics.median(side for side, _copy in recent),
+        statistics.median(copy for _side, copy in recent),
+    )
 
 
 def _median_or_none(values: list[float]) -> float | None:

@@ -168,6 +168,15 @@ class MigrationService:
             link.learn(stats, cap_bps, plan.guest_downtime)
             self._save_links()
 
+    def _learn_split_side(self, dest: Destination, stats: dict[str, int], plan: Plan) -> None:
+        """Teach the link one completed split job's QEMU side."""
+        faults = plan.decision.store_faults
+        final_round_s = min(faults.final_round_s, plan.decision.prediction.downtime_s)
+        with self.links_lock:
+            link = self.links.setdefault(dest.agent.address, LinkEstimate())
+            link.learn_split_side(stats, plan.guest_downtime, final_round_s)
+            self._save_links()
+
     # -- execution ------------------------------------------------------------
     def reconcile_unended(self, peer: Callable[[str, int], AgentClient]) -> list[MigrationRecord]:
         """Follow to their end the migrations a previous agent left unended
@@ -476,6 +485,8 @@ class MigrationService:
         moved = stats.get("memory_processed", 0)
         if teaches_the_link(plan.mode, result.switched_to_postcopy):
             self._learn(dest, stats, record.request.bandwidth_mib, plan)
+        elif plan.mode == "split" and not result.switched_to_postcopy:
+            self._learn_split_side(dest, stats, plan)
         pred = plan.decision.prediction
         return {
             "mode": plan.mode,

@@ -95,6 +95,8 @@ def test_short_destination_goes_by_split_and_caps_residency(lab):
         # beside the share of it the plan left in the store (300 MiB written, 240 capped)
         share, first_run_s = link["split_first_run_recent"][-1]
         assert 0.1 < share < 1 and first_run_s >= 0, link
+        # and its QEMU side apart from a precopy's, at least the 10 ms floor
+        assert link["split_qemu_side_recent"][-1][0] >= 0.010, link
         # The source told B's keeper which chunks the guest writes (hot_chunks.py).
         assert lab.agent("B").get("/v1/split/big")["residency"]["hinted_chunks"] > 0
         group = CGROUP_ROOT / "lab-b" / "big"
