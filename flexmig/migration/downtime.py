@@ -17,7 +17,9 @@ and, after a postcopy switch, once the pages it touches first have arrived:
   destination were measured, the stop-and-copy and the switchover are one
   part, "QEMU's downtime, learnt": the median of those jobs' libvirt downtime
   (less their writeback), which holds a usual final round's copy.  Only the
-  copy a plan forecasts beyond those jobs' own forecast copy is added.  Learnt
+  copy a plan forecasts beyond those jobs' own forecast copy is added (a split
+  plan: beyond split jobs', learnt apart, whose forecast final round is
+  longer than a precopy's by 19-21 ms its QEMU downtime never showed).  Learnt
   apart, a copy forecast short stayed in the learnt switchover and was counted
   again where a later job's copy was forecast long: 37-56 ms forecast for QEMU
   downtimes of 20-40 (``docs/benchmarks/split-first-run.md``);
