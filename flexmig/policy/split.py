@@ -12,9 +12,15 @@ destination with enough RAM does not (seed 003, VMemDirect):
   the cap, sized from the predicted final round, so the last pages land
   without reclaim.  If the final round outgrows the headroom, the rest waits
   on reclaim's page-sized writeback (seed 003: 4.3x slower than chunks).
-- **the switchover msync**: QEMU syncs file-backed guest RAM before it reports
-  the incoming migration done, inside the downtime: the final round and
-  whatever arrived in the keeper's last interval is written then.
+- **the switchover msync**: a QEMU older than 10.0.3 syncs file-backed guest
+  RAM before it reports the incoming migration done, inside the downtime: the
+  final round and whatever arrived in the keeper's last interval is written
+  then (``dirty_at_completion``).  Whether the destination's QEMU does is a
+  fact of the host, not of split: ``planner.destination_writeback`` counts
+  it as the downtime's "destination msync" part, as for any file-backed VM.
+  Counted here too, every split plan carried 20-30 ms of it in its
+  stop-and-copy, twice over on an old QEMU and never seen on a new one
+  (QEMU downtimes 18-38 ms, ``docs/benchmarks/split-sitting-e.md``).
 - **faults on the store**: the part of the rewritten set that does not fit
   the budget lives in the store.  A final-round page or a guest write that
   lands there faults, and each fault reads a whole 4 MiB window (QEMU maps
@@ -233,20 +239,29 @@ def predict(
 
     ``store_faults``: the final round's faults add to both the downtime and
     the total; the resumed guest's come after both (``downtime.predict``).
+    A store slower than the stream holds the stream back by what spills; a
+    final round inside the headroom lands without reclaim:
 
     >>> x = precopy.Transfer(ram_pages=131072, resident_pages=65536, page_size=4096,
     ...                      bandwidth_bps=100 * MIB, switchover_s=0.05)
     >>> p = precopy.Prediction("precopy", (), True, "", 2.6, 260 * MIB, 0.06, 0)
     >>> s = predict(p, x, StoreFacts(240 * MIB, 50 * MIB, 80 * MIB))
     >>> round(s.total_time_s, 2), round(s.downtime_s * 1000)
-    (4.02, 280)
+    (3.8, 60)
     >>> s = predict(p, x, StoreFacts(240 * MIB, 800 * MIB, 80 * MIB))
     >>> round(s.total_time_s, 2), round(s.downtime_s * 1000)
-    (2.61, 74)
+    (2.6, 60)
     >>> f = StoreFaults(35 * MIB, 9, 0, 0.02)
     >>> s = predict(p, x, StoreFacts(240 * MIB, 800 * MIB, 80 * MIB), f)
     >>> round(s.total_time_s, 2), round(s.downtime_s * 1000)
-    (2.79, 254)
+    (2.78, 240)
+
+    A final round beyond the headroom waits on reclaim's page-sized writes (145
+    MiB in 120 of headroom: 25 MiB at 4.3x their time in chunks):
+
+    >>> big = precopy.Prediction("precopy", (), True, "", 2.6, 260 * MIB, 1.5, 0)
+    >>> round(predict(big, x, StoreFacts(240 * MIB, 50 * MIB, 80 * MIB)).downtime_s, 2)
+    3.65
     """
     final_bytes = final_round_bytes(pre, xfer)
     headroom = headroom_bytes(final_bytes, xfer.bandwidth_bps, store.budget_bytes)
@@ -256,13 +271,11 @@ def predict(
     stream_wait = max(0.0, spill / store.write_bps - spill / xfer.bandwidth_bps)
     overflow = max(0.0, final_bytes - headroom)
     reclaim = overflow * PAGE_WRITE_SLOWDOWN / store.write_bps
-    msync = (min(final_bytes, headroom) + KEEPER_INTERVAL_S * xfer.bandwidth_bps) / store.write_bps
     faults_s = store_faults.final_round_s
-    downtime = pre.downtime_s + reclaim + msync + faults_s
     return dataclasses.replace(
         pre,
         mode="split",
         stop_reason=f"{pre.stop_reason}; {spill / MIB:.0f} MiB spill to the store",
-        total_time_s=pre.total_time_s + stream_wait + reclaim + msync + faults_s,
-        downtime_s=downtime,
+        total_time_s=pre.total_time_s + stream_wait + reclaim + faults_s,
+        downtime_s=pre.downtime_s + reclaim + faults_s,
     )

@@ -381,3 +381,22 @@ def test_a_split_plan_counts_splits_own_learnt_first_run():
     assert split.guest_downtime.parts_ms["first run"] == pytest.approx(
         (0.02 + 0.1 * share) * 1000, abs=0.1
     )
+
+
+@pytest.mark.parametrize(("qemu", "syncs"), [(10_000_002, True), (10_000_013, False)])
+def test_a_split_plan_counts_the_switchover_msync_once_and_only_where_qemu_does_it(qemu, syncs):
+    """The destination's msync of a split VM's memory file is the "destination
+    msync" part where its QEMU syncs file RAM (< 10.0.3), and nowhere else: its
+    stop-and-copy is the same VM's precopy one, not 20-30 ms more."""
+    vm = dataclasses.replace(vm_facts(hot=False, file_backed=True), accelerator="tcg")
+    link = planner.LinkFacts(fabric_bps=300 * MIB)
+    roomy = planner.DestinationFacts(
+        4096 * MIB, 8192 * MIB, software=HostSoftware(11_003_000, qemu)
+    )
+    tight = dataclasses.replace(roomy, free_for_vms_bytes=300 * MIB, store_write_bps=200 * MIB)
+    enough = planner.plan(MigrationRequest(vm="vm"), vm, roomy, link, EngineOptions())
+    split = planner.plan(MigrationRequest(vm="vm", mode="split"), vm, tight, link, EngineOptions())
+    assert (enough.mode, split.mode) == ("precopy", "split")
+    parts = split.guest_downtime.parts_ms
+    assert parts["stop-and-copy"] == pytest.approx(enough.guest_downtime.parts_ms["stop-and-copy"])
+    assert (parts["destination msync"] > 0) is syncs, parts

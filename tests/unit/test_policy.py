@@ -178,9 +178,11 @@ def test_split_prediction_pays_for_a_slow_store_and_a_small_budget():
     precopy_only = decide(_inputs(), "precopy").prediction
     assert fast.mode == slow.mode == small.mode == "split"
     assert fast.prediction.total_time_s == pytest.approx(precopy_only.total_time_s, rel=0.05)
-    assert slow.prediction.total_time_s > fast.prediction.total_time_s
+    # 500 MiB free holds all that moves: nothing waits on the store, slow or fast
+    assert slow.prediction.total_time_s == pytest.approx(fast.prediction.total_time_s)
     assert small.prediction.total_time_s > slow.prediction.total_time_s  # more spills
-    assert slow.prediction.downtime_s > fast.prediction.downtime_s  # the switchover msync
+    # the switchover msync is the destination QEMU's, counted by the planner (test_knobs)
+    assert slow.prediction.downtime_s == pytest.approx(fast.prediction.downtime_s)
     assert 0 < small.headroom_bytes <= small.memory_budget_bytes // 2
 
 
@@ -216,7 +218,7 @@ def test_a_final_round_larger_than_the_headroom_waits_on_reclaim():
     headroom = split.headroom_bytes(100 * MIB, 100 * MIB, 100 * MIB)
     reclaim_s = (100 * MIB - headroom) * split.PAGE_WRITE_SLOWDOWN / (200 * MIB)
     extra = beyond.downtime_s - big_final.downtime_s - (within.downtime_s - small_final.downtime_s)
-    assert extra > reclaim_s  # the overflow waits on reclaim
+    assert extra == pytest.approx(reclaim_s)  # the overflow waits on reclaim
 
 
 def _split_inputs(free_mib: int, fault_s: float) -> MigrationInputs:
