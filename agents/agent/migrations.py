@@ -170,8 +170,9 @@ class MigrationService:
 
     def _learn_split_side(self, dest: Destination, stats: dict[str, int], plan: Plan) -> None:
         """Teach the link one completed split job's QEMU side."""
-        faults = plan.decision.store_faults
-        final_round_s = min(faults.final_round_s, plan.decision.prediction.downtime_s)
+        final_round_s = downtime.final_round_faults_s(
+            plan.decision.prediction, plan.decision.store_faults
+        )
         with self.links_lock:
             link = self.links.setdefault(dest.agent.address, LinkEstimate())
             link.learn_split_side(stats, plan.guest_downtime, final_round_s)

@@ -147,9 +147,9 @@ class LearntSide:
     # A split guest's, from split jobs: its gap less QEMU's downtime and the
     # store faults its plan forecast (the resumed guest reads dropped pages back).
     split_first_run: SplitFirstRun | None = None
-    # QEMU's side and forecast copy as split jobs measured them: a split plan
-    # forecasts a longer final round than a precopy's (19-21 ms of copy beyond
-    # the precopy jobs') that its QEMU downtime never showed.
+    # QEMU's side and forecast copy as split jobs measured them, learnt apart
+    # as their first run is: a split job's downtime can hold the keeper's and
+    # the store's work at the switchover, which no precopy job's does.
     split_qemu_s: float | None = None
     split_copy_s: float = 0.0
 
@@ -290,7 +290,7 @@ def predict(
     >>> f.describe(), f.copy_ms
     ("73 ms (QEMU's downtime, learnt 30, stop-and-copy beyond the learnt 3, first run 40)", 5.0)
     """
-    final_faults_s = min(store_faults.final_round_s, prediction.downtime_s)
+    final_faults_s = final_round_faults_s(prediction, store_faults)
     copy_s = stop_and_copy_s(prediction, switchover_s, store_faults)
     parts = _qemu_side(copy_s, switchover_s, resume_s, learnt)
     parts["first run"] = first_run if learnt.first_run_s is None else learnt.first_run_s
@@ -330,8 +330,19 @@ def stop_and_copy_s(
     >>> round(stop_and_copy_s(Prediction("precopy", (), True, "", 5.0, 0.05, 0.045, 0), 0.04), 3)
     0.005
     """
-    final_faults_s = min(store_faults.final_round_s, prediction.downtime_s)
-    return max(0.0, prediction.downtime_s - final_faults_s - switchover_s)
+    final_faults = final_round_faults_s(prediction, store_faults)
+    return max(0.0, prediction.downtime_s - final_faults - switchover_s)
+
+
+def final_round_faults_s(prediction: Prediction, store_faults: split.StoreFaults) -> float:
+    """The final round's faults on a split VM's store, inside QEMU's downtime
+    (never more than the downtime the plan forecasts).
+
+    >>> p = Prediction("split", (), True, "", 5.0, 0.05, 0.1, 0)
+    >>> final_round_faults_s(p, split.StoreFaults(35 * MIB, 9, 0, 0.02))
+    0.1
+    """
+    return min(store_faults.final_round_s, prediction.downtime_s)
 
 
 def _writeback_s(forecast: Forecast) -> float:
